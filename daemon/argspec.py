@@ -1,0 +1,283 @@
+"""Argument specs: a server's argparse options as data.
+
+One representation (`OptionSpec`) serves three purposes:
+
+* rebuilding a server's option set from its ``--help`` text (argparse's own format; types are
+  then unknown);
+* dumping the options of a live ``argparse.ArgumentParser`` (exact: types and choices kept);
+* building an equivalent parser from a list of specs, so that a config's argv can be checked
+  with the server's own rules (abbreviations, nargs, choices) without starting the server.
+
+Stdlib only: the stand-in imports this in its main process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# nargs as argparse spells it: None (one value), an int, or one of '?', '*', '+'.
+Nargs = int | str | None
+
+KIND_STORE = "store"
+KIND_FLAG = "store_true"
+KIND_BOOL_PAIR = "boolean_optional"  # argparse.BooleanOptionalAction: --x / --no-x
+KIND_HELP = "help"
+
+_TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One optional argument: its option strings (primary first) and how it takes values."""
+
+    strings: tuple[str, ...]
+    kind: str = KIND_STORE
+    nargs: Nargs = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    type: str | None = None  # "int" | "float" | "str" | None (unknown)
+    dest: str = ""
+    default: Any = None
+    help: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def primary(self) -> str:
+        return self.strings[0]
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["strings"] = list(self.strings)
+        data["choices"] = list(self.choices) if self.choices is not None else None
+        return {k: v for k, v in data.items() if v not in (None, {}, "") or k == "strings"}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> OptionSpec:
+        choices = data.get("choices")
+        return cls(
+            strings=tuple(data["strings"]),
+            kind=data.get("kind", KIND_STORE),
+            nargs=data.get("nargs"),
+            choices=tuple(choices) if choices is not None else None,
+            metavar=data.get("metavar"),
+            type=data.get("type"),
+            dest=data.get("dest", ""),
+            default=data.get("default"),
+            help=data.get("help"),
+        )
+
+
+def default_dest(strings: Sequence[str]) -> str:
+    """argparse's rule: the first long option string, dashes to underscores."""
+    longs = [s for s in strings if s.startswith("--")]
+    name = (longs or list(strings))[0].lstrip("-")
+    return name.replace("-", "_")
+
+
+# --------------------------------------------------------------------------------------------
+# From --help text
+# --------------------------------------------------------------------------------------------
+
+_OPTION_LINE = re.compile(r"^  (-\S.*)$")
+_SPLIT_HELP = re.compile(r"\s{2,}")
+
+
+def _split_top_level(invocation: str) -> list[str]:
+    """Split 'a X, --b X' on ', -' outside braces (choices contain commas)."""
+    parts: list[str] = []
+    depth = 0
+    start = 0
+    i = 0
+    while i < len(invocation):
+        ch = invocation[i]
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        elif depth == 0 and invocation.startswith(", -", i):
+            parts.append(invocation[start:i])
+            start = i + 2
+            i += 2
+            continue
+        i += 1
+    parts.append(invocation[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _parse_arg_format(fmt: str) -> tuple[Nargs, tuple[str, ...] | None, str | None]:
+    """Return (nargs, choices, metavar) for the text after an option string in --help."""
+    fmt = fmt.strip()
+    if not fmt:
+        return 0, None, None
+    choices: tuple[str, ...] | None = None
+    brace = re.search(r"\{([^}]*)\}", fmt)
+    if brace:
+        choices = tuple(brace.group(1).split(","))
+    # Normalise the metavar to a token so that the shapes are easy to recognise.
+    token = re.sub(r"\{[^}]*\}", "M", fmt)
+    shape = re.sub(r"[^\s\[\].]+", "M", token)
+    metavar = None if brace else fmt.split()[0].strip("[]")
+    if shape == "M":
+        return None, choices, metavar
+    if shape == "[M]":
+        return "?", choices, metavar
+    if shape == "[M ...]":
+        return "*", choices, metavar
+    if shape == "M [M ...]":
+        return "+", choices, metavar
+    words = shape.split()
+    if all(w == "M" for w in words):
+        return len(words), choices, metavar
+    return None, choices, metavar
+
+
+def parse_help(text: str) -> list[OptionSpec]:
+    """Rebuild the optional arguments from argparse's --help output.
+
+    Only the option listing is read (lines indented by two spaces that begin with '-'); the
+    usage block is ignored. Types are unknown from help text and left as None.
+    """
+    specs: list[OptionSpec] = []
+    for line in text.splitlines():
+        m = _OPTION_LINE.match(line)
+        if not m:
+            continue
+        invocation = _SPLIT_HELP.split(m.group(1), maxsplit=1)[0]
+        parts = _split_top_level(invocation)
+        strings: list[str] = []
+        formats: list[str] = []
+        for part in parts:
+            name, _, fmt = part.partition(" ")
+            strings.append(name)
+            formats.append(fmt)
+        if "--help" in strings or "-h" in strings:
+            specs.append(OptionSpec(strings=tuple(strings), kind=KIND_HELP, nargs=0))
+            continue
+        nargs, choices, metavar = _parse_arg_format(formats[0])
+        kind = KIND_FLAG if nargs == 0 else KIND_STORE
+        if nargs == 0 and len(strings) == 2 and strings[1] == "--no-" + strings[0][2:]:
+            kind = KIND_BOOL_PAIR
+            strings = [strings[0]]
+        specs.append(
+            OptionSpec(
+                strings=tuple(strings),
+                kind=kind,
+                nargs=nargs,
+                choices=choices,
+                metavar=metavar,
+                dest=default_dest(strings),
+            )
+        )
+    return specs
+
+
+# --------------------------------------------------------------------------------------------
+# From a live parser, and back to a parser
+# --------------------------------------------------------------------------------------------
+
+
+def _type_name(t: object) -> str | None:
+    for name, py in _TYPES.items():
+        if t is py:
+            return name
+    if t is None:
+        return None
+    return getattr(t, "__name__", None) or "callable"
+
+
+def specs_from_parser(parser: argparse.ArgumentParser) -> list[OptionSpec]:
+    """Dump a parser's optional arguments, types and choices included."""
+    specs: list[OptionSpec] = []
+    for action in parser._actions:
+        if not action.option_strings:
+            continue
+        if isinstance(action, argparse._HelpAction):
+            specs.append(OptionSpec(strings=tuple(action.option_strings), kind=KIND_HELP, nargs=0))
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            positive = [s for s in action.option_strings if not s.startswith("--no-")]
+            specs.append(
+                OptionSpec(strings=tuple(positive), kind=KIND_BOOL_PAIR, nargs=0, dest=action.dest)
+            )
+            continue
+        if action.nargs == 0:
+            specs.append(
+                OptionSpec(
+                    strings=tuple(action.option_strings),
+                    kind=KIND_FLAG,
+                    nargs=0,
+                    dest=action.dest,
+                )
+            )
+            continue
+        choices = tuple(str(c) for c in action.choices) if action.choices is not None else None
+        metavar = action.metavar if isinstance(action.metavar, str) else None
+        specs.append(
+            OptionSpec(
+                strings=tuple(action.option_strings),
+                kind=KIND_STORE,
+                nargs=action.nargs,
+                choices=choices,
+                metavar=metavar,
+                type=_type_name(action.type),
+                dest=action.dest,
+            )
+        )
+    return specs
+
+
+def add_specs(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    specs: Iterable[OptionSpec],
+    types: dict[str, type] | None = None,
+    defaults: dict[str, Any] | None = None,
+    helps: dict[str, str] | None = None,
+) -> None:
+    """Add `specs` to `parser`. `types` and `defaults` are keyed by dest and win over the spec."""
+    types = types or {}
+    defaults = defaults or {}
+    helps = helps or {}
+    for spec in specs:
+        if spec.kind == KIND_HELP:
+            continue
+        dest = spec.dest or default_dest(spec.strings)
+        kwargs: dict[str, Any] = {"dest": dest}
+        if dest in defaults:
+            kwargs["default"] = defaults[dest]
+        if dest in helps:
+            kwargs["help"] = helps[dest]
+        elif spec.help:
+            kwargs["help"] = spec.help
+        if spec.kind == KIND_FLAG:
+            parser.add_argument(*spec.strings, action="store_true", **kwargs)
+            continue
+        if spec.kind == KIND_BOOL_PAIR:
+            parser.add_argument(*spec.strings, action=argparse.BooleanOptionalAction, **kwargs)
+            continue
+        py_type = types.get(dest) or (_TYPES.get(spec.type) if spec.type else None)
+        if py_type is not None:
+            kwargs["type"] = py_type
+        if spec.nargs is not None:
+            kwargs["nargs"] = spec.nargs
+        if spec.choices is not None:
+            choices: list[Any] = list(spec.choices)
+            if py_type in (int, float):
+                choices = [py_type(c) for c in choices]
+            kwargs["choices"] = choices
+        if spec.metavar and spec.choices is None:
+            kwargs["metavar"] = spec.metavar
+        parser.add_argument(*spec.strings, **kwargs)
+
+
+def option_strings(specs: Iterable[OptionSpec]) -> set[str]:
+    """Every option string the specs accept (the --no- forms of boolean pairs included)."""
+    out: set[str] = set()
+    for spec in specs:
+        out.update(spec.strings)
+        if spec.kind == KIND_BOOL_PAIR:
+            out.update("--no-" + s[2:] for s in spec.strings if s.startswith("--"))
+    return out

@@ -1,0 +1,96 @@
+"""``gpuwarden demo``: a daemon on the bundled SGLang stand-in and a fake 8-GPU host.
+
+Writes settings, a fake GPU folder and two server configs (``baseline`` and ``eagle3``) into a
+folder (a temporary one unless ``--dir``), then runs there in the foreground.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+from gpuwarden.standin import fakegpu
+
+DEMO_TIME_SCALE = 0.05  # the stand-in loads in about a second instead of twenty
+DEMO_SERVER_PORT = 30000
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("demo", help="run the daemon on the bundled SGLang stand-in")
+    p.add_argument("--listen", default="127.0.0.1:8600", help="control plane HOST:PORT")
+    p.add_argument("--dir", type=Path, default=None, help="demo folder (default: a temp dir)")
+    p.set_defaults(func=run)
+
+
+def demo_configs(python: str = sys.executable) -> dict[str, dict[str, Any]]:
+    """The demo's named server configs: the seed's baseline and its best EAGLE-3 setting."""
+    baseline = {
+        "command": [python, "-m", "gpuwarden.standin"],
+        "args": {
+            "model-path": "/models/Kimi-K2.5",
+            "tp-size": 8,
+            "port": DEMO_SERVER_PORT,
+            "standin-time-scale": DEMO_TIME_SCALE,
+        },
+        "env": {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"},
+        "health": {"startup_timeout_s": 120, "interval_s": 2},
+    }
+    eagle3 = {
+        "extends": "baseline",
+        "args": {
+            "speculative-algorithm": "EAGLE3",
+            "speculative-draft-model-path": "/data/eagle3/drafter",
+            "speculative-num-steps": 3,
+            "speculative-eagle-topk": 4,
+            "speculative-num-draft-tokens": 5,
+        },
+    }
+    return {"baseline": baseline, "eagle3": eagle3}
+
+
+def write_demo_dir(root: Path, listen: str) -> Path:
+    """Lay out settings.yaml, configs/, and the fake GPU under `root`; return the settings path."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "configs").mkdir(exist_ok=True)
+    for name, cfg in demo_configs().items():
+        (root / "configs" / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    if not (root / "fakegpu" / "gpus.json").exists():
+        fakegpu.init_dir(root / "fakegpu", count=8)
+    settings = {
+        "listen": listen,
+        "configs_dir": "./configs",
+        "default_config": "baseline",
+        "state_dir": "./state",
+        "log_dir": "./logs",
+        "restart": {"initial_delay_s": 2, "max_delay_s": 30},
+        "stop": {"grace_s": 10},
+        "gpu": {"backend": "fake", "release_timeout_s": 30},
+    }
+    path = root / "settings.yaml"
+    path.write_text(yaml.safe_dump(settings, sort_keys=False))
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    root = args.dir or Path(tempfile.mkdtemp(prefix="gpuwarden-demo-"))
+    write_demo_dir(root, args.listen)
+    os.environ[fakegpu.ENV_DIR] = str(root / "fakegpu")
+    print(f"gpuwarden demo in {root}")
+    print(
+        f"  the stand-in (SGLang's flags, fake 8-GPU host) serves on 127.0.0.1:{DEMO_SERVER_PORT}"
+    )
+    print(f"  try: curl 127.0.0.1:{DEMO_SERVER_PORT}/health")
+    print(f"       curl 127.0.0.1:{DEMO_SERVER_PORT}/get_server_info")
+    print("  Ctrl-C stops it.", flush=True)
+    cfg = demo_configs()["baseline"]
+    argv = [*cfg["command"]]
+    for key, value in cfg["args"].items():
+        argv += [f"--{key}", str(value)]
+    env = {**os.environ, **cfg["env"]}
+    return subprocess.call(argv, env=env)

@@ -1,0 +1,11 @@
+"""``python -m gpuwarden.standin``: the SGLang stand-in server.
+
+Spawned children re-import this module as ``__mp_main__``, so it imports nothing at the top.
+"""
+
+if __name__ == "__main__":
+    import sys
+
+    from gpuwarden.standin.server import main
+
+    sys.exit(main())
