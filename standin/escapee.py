@@ -1,7 +1,7 @@
 """A process that escapes its server: double-forks, leaves the session, ignores SIGTERM, and
 keeps holding fake GPU memory after the server is gone (SGLANG.md §7's orphaned schedulers).
 
-    python -m gpuwarden.standin.escapee FAKE_GPU_DIR GPU MIB
+    python -m gpuwarden.standin.escapee FAKE_GPU_DIR GPU MIB PIDFILE
 
 The launcher returns once the escapee has registered its holder, so its memory is visible by
 the time the server goes on loading. The escapee keeps the inherited stdout/stderr open: a
@@ -21,7 +21,7 @@ from gpuwarden.standin.procs import log_line, set_title
 
 
 def main(argv: list[str]) -> int:
-    root, gpu, mib = Path(argv[0]), int(argv[1]), int(argv[2])
+    root, gpu, mib, pidfile = Path(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
     read_fd, write_fd = os.pipe()
     if os.fork() > 0:
         os.close(write_fd)
@@ -32,6 +32,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     set_title("sglang::escapee")
     fakegpu.write_holder(root, gpu, mib)
+    pidfile.write_text(str(os.getpid()))
     log_line(
         "", f"escapee pid={os.getpid()} holds {mib} MiB on GPU {gpu} (setsid, ignores SIGTERM)"
     )

@@ -19,6 +19,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections import deque
@@ -108,6 +109,8 @@ class _Scheduler:
         self.used_mib = 0
         self.max_total_tokens = 0
         self.fault_kind = ""
+        self.helper_pids: set[int] = set()  # processes of ours holding memory (the escapee)
+        self.helper_mib = 0
         self.fault_due: float | None = None
         self.hanging = False
 
@@ -122,7 +125,8 @@ class _Scheduler:
         reader = fakegpu.FakeGpuReader(self.fake_root)
         for gpu in reader.usage():
             if gpu.index == self.gpu:
-                return sum(h.mib for h in gpu.holders if h.pid != os.getpid())
+                mine = {os.getpid(), *self.helper_pids}
+                return sum(h.mib for h in gpu.holders if h.pid not in mine)
         return 0
 
     def _hold(self, mib: int) -> None:
@@ -131,7 +135,8 @@ class _Scheduler:
             fakegpu.write_holder(self.fake_root, self.gpu, mib)
 
     def avail_gb(self) -> float:
-        return max(0.0, self.total_mib - self._others_mib() - self.used_mib) / GIB
+        used = self._others_mib() + self.used_mib + self.helper_mib
+        return max(0.0, self.total_mib - used) / GIB
 
     # -- startup -------------------------------------------------------------------------------
 
@@ -154,7 +159,10 @@ class _Scheduler:
         if faults.has("cuda_oom") or avail * GIB < weights_mib:
             raise_cuda_oom(weights_mib, avail)
         if faults.escape_grandchild_mib and self.rank == 0 and self.fake_root is not None:
-            start_escapee(self.fake_root, self.gpu, faults.escape_grandchild_mib)
+            self.helper_pids.add(
+                start_escapee(self.fake_root, self.gpu, faults.escape_grandchild_mib)
+            )
+            self.helper_mib = faults.escape_grandchild_mib
         start = time.monotonic()
         shards = 4 + faults.progress_bars
         for i in range(shards + 1):
@@ -174,7 +182,7 @@ class _Scheduler:
         )
 
         self.log("Using KV cache dtype: torch.bfloat16")
-        kv_mib = int(self.total_mib * cfg.mem_fraction_static) - weights_mib
+        kv_mib = int(self.total_mib * cfg.mem_fraction_static) - weights_mib - self.helper_mib
         if faults.has("not_enough_memory") or kv_mib <= 0 or self.avail_gb() * GIB < kv_mib:
             raise_not_enough_memory(cfg.mem_fraction_static)
         cfg.sleep("kv_alloc")
@@ -458,13 +466,24 @@ class _Scheduler:
                 return
 
 
-def start_escapee(root: Path, gpu: int, mib: int) -> None:
-    """Start `escapee` and wait until its holder is registered (its launcher has exited)."""
-    subprocess.run(
-        [sys.executable, "-m", "gpuwarden.standin.escapee", str(root), str(gpu), str(mib)],
-        stdin=subprocess.DEVNULL,
-        check=True,
-    )
+def start_escapee(root: Path, gpu: int, mib: int) -> int:
+    """Start `escapee`, wait until its holder is registered; return the escapee's pid."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pidfile = Path(tmp) / "escapee.pid"
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gpuwarden.standin.escapee",
+                str(root),
+                str(gpu),
+                str(mib),
+                str(pidfile),
+            ],
+            stdin=subprocess.DEVNULL,
+            check=True,
+        )
+        return int(pidfile.read_text())
 
 
 # -- SGLang's failure output ---------------------------------------------------------------------

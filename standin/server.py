@@ -248,6 +248,7 @@ class StandinServer:
         self.engine: EngineClient | None = None
         self.uvicorn_server: Any = None
         self.background: set[asyncio.Task[None]] = set()
+        self.exiting = False  # set once main itself tears the tree down
         self.model_name = args.served_model_name or args.model_path
 
     def seconds(self, name: str) -> float:
@@ -298,7 +299,9 @@ class StandinServer:
             while True:
                 time.sleep(self.seconds("subprocess_watchdog"))
                 for name, proc, _ in self.children:
-                    if proc.exitcode is not None and not self.state.gracefully_exit:
+                    if self.exiting or self.state.gracefully_exit:
+                        return
+                    if proc.exitcode is not None:
                         log(
                             f"Subprocess {name} (pid={proc.pid}) crashed with exit code "
                             f"{proc.exitcode}. Triggering SIGQUIT for cleanup..."
@@ -865,5 +868,6 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(profile.uvicorn_bind_failure_exit) from None
             raise
     finally:
+        server.exiting = True
         kill_process_tree(os.getpid(), include_parent=False)
     return 0
