@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from gpuwarden.daemon import demo, fakegpu_cli
+from gpuwarden.daemon import demo, fakegpu_cli, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Supervise an SGLang inference server on a GPU host.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve.add_parser(sub)
     demo.add_parser(sub)
     fakegpu_cli.add_parser(sub)
     return parser

@@ -7,14 +7,15 @@ folder (a temporary one unless ``--dir``), then runs there in the foreground.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
+
 from gpuwarden.standin import fakegpu
 
 DEMO_TIME_SCALE = 0.05  # the stand-in loads in about a second instead of twenty
@@ -78,19 +79,30 @@ def write_demo_dir(root: Path, listen: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    root = args.dir or Path(tempfile.mkdtemp(prefix="gpuwarden-demo-"))
-    write_demo_dir(root, args.listen)
+    from gpuwarden.daemon import logsetup  # noqa: PLC0415
+    from gpuwarden.daemon.serve import serve  # noqa: PLC0415
+    from gpuwarden.daemon.settings import load_settings  # noqa: PLC0415
+
+    root = (args.dir or Path(tempfile.mkdtemp(prefix="gpuwarden-demo-"))).resolve()
+    settings_path = write_demo_dir(root, args.listen)
     os.environ[fakegpu.ENV_DIR] = str(root / "fakegpu")
-    print(f"gpuwarden demo in {root}")
+    logsetup.configure()
+    settings = load_settings(settings_path)
+    url = f"http://{args.listen}"
     print(
-        f"  the stand-in (SGLang's flags, fake 8-GPU host) serves on 127.0.0.1:{DEMO_SERVER_PORT}"
+        f"""gpuwarden demo in {root}
+  the daemon listens on {url}; it runs the SGLang stand-in (config 'baseline', tp 8)
+  on a fake 8-GPU host, serving on 127.0.0.1:{DEMO_SERVER_PORT}.
+
+  try:
+    curl {url}/status
+    curl -X POST '{url}/restart?config=eagle3'     # swap to EAGLE-3
+    gpuwarden status --url {url}
+    gpuwarden fake-gpu hold --gpu 3 --mib 40000 --dir {root / "fakegpu"}   # a foreign holder
+    curl 127.0.0.1:{DEMO_SERVER_PORT}/v1/models
+
+  Ctrl-C stops the daemon and the server.
+""",
+        flush=True,
     )
-    print(f"  try: curl 127.0.0.1:{DEMO_SERVER_PORT}/health")
-    print(f"       curl 127.0.0.1:{DEMO_SERVER_PORT}/get_server_info")
-    print("  Ctrl-C stops it.", flush=True)
-    cfg = demo_configs()["baseline"]
-    argv = [*cfg["command"]]
-    for key, value in cfg["args"].items():
-        argv += [f"--{key}", str(value)]
-    env = {**os.environ, **cfg["env"]}
-    return subprocess.call(argv, env=env)
+    return asyncio.run(serve(settings))

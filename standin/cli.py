@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from gpuwarden.daemon.argspec import (
     KIND_BOOL_PAIR,
     KIND_FLAG,

@@ -35,6 +35,7 @@ from types import FrameType
 from typing import Any
 
 import psutil
+
 from gpuwarden.standin import cli, fakegpu
 from gpuwarden.standin.faults import faults_from_args
 from gpuwarden.standin.procs import ChildConfig, log_line, run_detokenizer, run_scheduler

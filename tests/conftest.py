@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from gpuwarden.standin import fakegpu
 
 PY = sys.executable

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from gpuwarden.standin import fakegpu
 
 from .conftest import PY, Proc

@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from gpuwarden.daemon.argspec import option_strings, parse_help
 from gpuwarden.standin.versions import VERSIONS
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+
 from gpuwarden.standin import fakegpu
 from gpuwarden.standin.specmodel import DecodeModel, SpecParams
 

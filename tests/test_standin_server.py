@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+
 from gpuwarden.standin import fakegpu
 
 from .conftest import Proc, alive, wait_until

@@ -1,0 +1,55 @@
+"""The control plane: `create_app(supervisor, settings)` builds the FastAPI app.
+
+No module-level app or settings. Handlers read the supervisor's snapshots or send it requests;
+none of them mutates state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gpuwarden.api import routes_control, routes_status
+from gpuwarden.daemon.settings import Settings
+from gpuwarden.daemon.supervisor import CommandError, Supervisor
+
+
+def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
+    app = FastAPI(
+        title="gpuwarden",
+        summary="Supervises an SGLang inference server on a GPU host.",
+        version="0.1.0",
+    )
+    app.state.supervisor = supervisor
+    app.state.settings = settings
+    app.include_router(routes_status.router)
+    app.include_router(routes_control.router)
+
+    @app.exception_handler(CommandError)
+    async def command_error(request: Request, exc: CommandError) -> JSONResponse:
+        return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            allowed = headers.get("allow", headers.get("Allow", ""))
+            detail = f"{request.method} {request.url.path} is not allowed; use {allowed}"
+            return JSONResponse(error_body("method_not_allowed", detail), 405, headers=headers)
+        name = {404: "not_found", 401: "unauthorized"}.get(exc.status_code, "error")
+        return JSONResponse(error_body(name, exc.detail), exc.status_code, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        return JSONResponse(error_body("bad_request", problems), status_code=400)
+
+    return app
+
+
+def error_body(error: str, detail: Any) -> dict[str, Any]:
+    return {"error": error, "detail": detail}

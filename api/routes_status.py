@@ -1,0 +1,21 @@
+"""`/healthz` (the daemon itself) and `/status` (the server as the supervisor sees it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from gpuwarden.api.deps import SupervisorDep
+
+router = APIRouter(tags=["status"])
+
+
+@router.get("/healthz", summary="The daemon is alive (no auth)")
+async def healthz() -> dict[str, Any]:
+    return {"ok": True}
+
+
+@router.get("/status", summary="State, config, last exit, GPUs and server metrics")
+async def status(supervisor: SupervisorDep) -> dict[str, Any]:
+    return supervisor.status()

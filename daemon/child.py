@@ -1,0 +1,278 @@
+"""The only code that starts, signals or reaps processes.
+
+* The server runs in its own session (so its group can be signalled without touching us),
+  stdin closed, stdout and stderr on pipes read in chunks by the event loop.
+* Its exit is taken from the process itself (`SubprocessProtocol.process_exited`), never from
+  pipe EOF: a grandchild can hold the pipes open for ever.
+* Every launch carries ``GPUWARDEN_LAUNCH_ID`` in its environment. Descendants inherit it, so
+  whatever a launch left behind (even after ``setsid`` and a double fork) can be found by it.
+* The daemon is a child subreaper: orphans of its servers reparent to it, and `reap_orphans`
+  reaps them (only pids asyncio does not own: never ``waitpid(-1)``). Zombies count as dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+LAUNCH_ENV = "GPUWARDEN_LAUNCH_ID"
+PR_SET_CHILD_SUBREAPER = 36
+
+# Pids whose exit asyncio's child watcher reports: the reaper must not take them.
+_OWNED: set[int] = set()
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def become_subreaper() -> bool:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_orphans() -> list[int]:
+    """Reap zombie children that asyncio does not own (orphans that reparented to us)."""
+    reaped: list[int] = []
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return reaped
+    for child in children:
+        if child.pid in _OWNED:
+            continue
+        with contextlib.suppress(psutil.Error, ChildProcessError, OSError):
+            if child.status() == psutil.STATUS_ZOMBIE:
+                pid, _ = os.waitpid(child.pid, os.WNOHANG)
+                if pid:
+                    reaped.append(pid)
+    return reaped
+
+
+def is_alive(pid: int, create_time: float | None = None) -> bool:
+    """Running and not a zombie; with `create_time`, also the same process (no pid reuse)."""
+    try:
+        proc = psutil.Process(pid)
+        if create_time is not None and abs(proc.create_time() - create_time) > 0.05:
+            return False
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def create_time_of(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+class _Protocol(asyncio.SubprocessProtocol):
+    def __init__(self, on_output: Callable[[bytes, int], None]) -> None:
+        self.on_output = on_output
+        self.exited: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        self.pipes_closed = asyncio.Event()
+        self._open = 2
+        self.transport: asyncio.SubprocessTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        self.on_output(data, fd)
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        self._open -= 1
+        if self._open <= 0:
+            self.pipes_closed.set()
+
+    def process_exited(self) -> None:
+        assert self.transport is not None
+        if not self.exited.done():
+            self.exited.set_result(self.transport.get_returncode())
+
+
+@dataclass
+class ChildProcess:
+    pid: int
+    create_time: float
+    started_mono: float
+    launch_id: str
+    protocol: _Protocol
+    transport: asyncio.SubprocessTransport
+    signals_sent: list[str] = field(default_factory=list)
+
+    @property
+    def exited(self) -> asyncio.Future[int | None]:
+        return self.protocol.exited
+
+    @property
+    def pgid(self) -> int:
+        return self.pid  # start_new_session: the server leads its own group
+
+    def signal(self, sig: signal.Signals) -> bool:
+        """Signal the main process only (SGLang drains on SIGTERM in its main process)."""
+        if self.exited.done():
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+            self.signals_sent.append(sig.name)
+            return True
+        return False
+
+    def kill_group(self) -> None:
+        """SIGKILL the whole process group (the server and the children still in it)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, signal.SIGKILL)
+            self.signals_sent.append("SIGKILL(group)")
+
+    async def wait_pipes_closed(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self.protocol.pipes_closed.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    def close(self) -> None:
+        """Drop our ends of the pipes (a grandchild may hold the other ends for ever)."""
+        _OWNED.discard(self.pid)
+        with contextlib.suppress(Exception):
+            self.transport.close()
+
+
+async def spawn(
+    argv: list[str],
+    env: dict[str, str],
+    launch_id: str,
+    on_output: Callable[[bytes, int], None],
+    cwd: Path | None = None,
+) -> ChildProcess:
+    """Start `argv` (no shell) in a new session. Raises OSError when it cannot be executed."""
+    loop = asyncio.get_running_loop()
+    protocol: _Protocol | None = None
+
+    def factory() -> _Protocol:
+        nonlocal protocol
+        protocol = _Protocol(on_output)
+        return protocol
+
+    full_env = {**env, LAUNCH_ENV: launch_id}
+    started = time.monotonic()
+    transport, _ = await loop.subprocess_exec(
+        factory,
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+        env=full_env,
+        cwd=cwd,
+    )
+    assert protocol is not None
+    pid = transport.get_pid()
+    _OWNED.add(pid)
+    return ChildProcess(
+        pid=pid,
+        create_time=create_time_of(pid) or time.time(),
+        started_mono=started,
+        launch_id=launch_id,
+        protocol=protocol,
+        transport=transport,
+    )
+
+
+# -- finding and killing what a launch left behind ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Leftover:
+    pid: int
+    create_time: float
+    name: str
+    cmdline: str
+
+
+def _environ_has(pid: int, marker: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return marker in f.read()
+    except OSError:
+        return False
+
+
+def find_leftovers(launch_id: str, pgid: int | None = None) -> list[Leftover]:
+    """Live processes a launch left behind.
+
+    A process belongs to the launch when it is in the launch's process group, when it is a
+    descendant of this daemon that no other running child of ours accounts for (the daemon is
+    a subreaper and runs one server at a time, so orphans of the server, even after ``setsid``
+    and a double fork, reparent to it), or when it carries the launch id in its environment
+    (the fallback where the daemon is not a subreaper; ``setproctitle`` can overwrite the
+    environment, so it is not the primary rule).
+    """
+    marker = f"{LAUNCH_ENV}={launch_id}\0".encode()
+    me = os.getpid()
+    helpers: set[int] = set()
+    for pid in _OWNED:  # other children of ours still running (not this launch's main)
+        helpers.add(pid)
+        with contextlib.suppress(psutil.Error):
+            helpers.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+    mine: set[int] = set()
+    with contextlib.suppress(psutil.Error):
+        mine = {c.pid for c in psutil.Process(me).children(recursive=True)} - helpers
+    found: list[Leftover] = []
+    for pid in psutil.pids():
+        if pid == me or pid in helpers:
+            continue
+        belongs = pid in mine
+        if not belongs and pgid is not None:
+            with contextlib.suppress(OSError):
+                belongs = os.getpgid(pid) == pgid
+        if not belongs:
+            belongs = _environ_has(pid, marker)
+        if not belongs:
+            continue
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            found.append(
+                Leftover(pid, proc.create_time(), proc.name(), " ".join(proc.cmdline())[:200])
+            )
+        except psutil.Error:
+            continue
+    return found
+
+
+async def kill_leftovers(leftovers: list[Leftover], timeout_s: float = 5.0) -> list[Leftover]:
+    """SIGKILL each leftover (pid and create time must still match); wait until they are gone."""
+    killed = []
+    for item in leftovers:
+        if is_alive(item.pid, item.create_time):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(item.pid, signal.SIGKILL)
+                killed.append(item)
+    deadline = time.monotonic() + timeout_s
+    while killed and time.monotonic() < deadline:
+        reap_orphans()
+        if not any(is_alive(k.pid, k.create_time) for k in killed):
+            break
+        # Death after SIGKILL is not an event we can await for a process that is not our child.
+        await asyncio.sleep(0.005)
+    reap_orphans()
+    return killed

@@ -1,0 +1,332 @@
+"""Named server configs: ``configs/NAME.yaml``, with ``extends:`` and argv built without a shell.
+
+``args`` become flags: ``key: value`` → ``--key value``; ``true`` → ``--key``; ``false``/``null``
+→ omitted; ``0`` and ``""`` are values; a list → the flag once followed by every item; a mapping
+→ its JSON. ``extends`` merges mappings deeply and replaces lists. Every error names the file,
+the line and the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gpuwarden.daemon.redact import redact_argv, redact_env
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+DEFAULT_COMMAND = ["python", "-m", "sglang.launch_server"]
+SGLANG_DEFAULT_PORT = 30000
+
+
+class ConfigError(Exception):
+    """A config that cannot be used. `status` is the HTTP status it maps to."""
+
+    def __init__(self, message: str, status: int = 422, path: Path | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.path = path
+
+
+class ConfigNotFound(ConfigError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=404)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class HealthConfig(_Strict):
+    url: str | None = None
+    startup_timeout_s: float = Field(1800.0, gt=0)
+    interval_s: float = Field(5.0, gt=0)
+    timeout_s: float = Field(30.0, gt=0)
+    failures: int = Field(3, ge=1)
+
+
+class PreflightConfig(_Strict):
+    argv: bool = True
+
+
+Scalar = str | int | float | bool | None
+
+
+class ServerConfig(_Strict):
+    extends: str | None = None
+    command: list[str] = Field(default_factory=lambda: list(DEFAULT_COMMAND), min_length=1)
+    args: dict[str, Scalar | list[Scalar] | dict[str, Any]] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)
+    gpus: list[int | str] | None = None
+    preflight: PreflightConfig = Field(default_factory=PreflightConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)  # type: ignore[arg-type]
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_values_to_str(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {
+                k: (v if isinstance(v, str) else json.dumps(v) if isinstance(v, bool) else str(v))
+                for k, v in value.items()
+            }
+        return value
+
+    @field_validator("args")
+    @classmethod
+    def _check_arg_names(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in value:
+            if not re.fullmatch(r"-{0,2}[A-Za-z0-9][A-Za-z0-9._-]*", key):
+                raise ValueError(f"{key!r} is not a flag name")
+        return value
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def build_argv(command: list[str], args: dict[str, Any]) -> list[str]:
+    argv = list(command)
+    for key, value in args.items():
+        flag = key if key.startswith("-") else f"--{key}"
+        if value is True:
+            argv.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            argv.append(flag)
+            argv.extend(_scalar(v) for v in value)
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value, separators=(",", ":"))]
+        else:
+            argv += [flag, _scalar(value)]
+    return argv
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    name: str
+    config: ServerConfig
+    argv: list[str]
+    config_hash: str
+    files: tuple[Path, ...]
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(self.config.env)
+
+    @property
+    def port(self) -> int:
+        value = self.config.args.get("port")
+        try:
+            return int(value) if value is not None else SGLANG_DEFAULT_PORT  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return SGLANG_DEFAULT_PORT
+
+    @property
+    def host(self) -> str:
+        value = self.config.args.get("host")
+        if not isinstance(value, str) or value in ("0.0.0.0", "::", ""):
+            return "127.0.0.1"
+        return value
+
+    @property
+    def health_url(self) -> str:
+        if self.config.health.url:
+            return self.config.health.url
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/health"
+
+    @property
+    def gpus(self) -> list[str] | None:
+        """GPUs to watch (indexes or UUIDs as strings): `gpus`, else CUDA_VISIBLE_DEVICES."""
+        if self.config.gpus is not None:
+            return [str(g) for g in self.config.gpus]
+        cvd = self.config.env.get("CUDA_VISIBLE_DEVICES")
+        if cvd is not None:
+            return [t.strip() for t in cvd.split(",") if t.strip()]
+        return None
+
+    def redacted_argv(self) -> list[str]:
+        return redact_argv(self.argv)
+
+    def redacted_env(self) -> dict[str, str]:
+        return redact_env(self.config.env)
+
+    def view(self) -> dict[str, Any]:
+        """What the API shows of a config: resolved, with secrets masked."""
+        data = self.config.model_dump(mode="json")
+        data["env"] = self.redacted_env()
+        masked_args = {}
+        for key, value in data["args"].items():
+            flag = key if key.startswith("-") else f"--{key}"
+            masked_args[key] = "***" if redact_argv([flag, "x"])[1] == "***" else value
+        data["args"] = masked_args
+        return {
+            "name": self.name,
+            "config": data,
+            "argv": self.redacted_argv(),
+            "config_hash": self.config_hash,
+            "health_url": self.health_url,
+            "gpus": self.gpus,
+            "files": [str(f) for f in self.files],
+        }
+
+
+def _line_of(path: Path, text: str, loc: tuple[Any, ...]) -> int | None:
+    """The 1-based line of the key at `loc` in a YAML document, if it can be found."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for key in loc:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k.value == str(key):
+                    line = k.start_mark.line + 1
+                    node = v
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = node.value[key]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+class ConfigStore:
+    """Reads named configs from one folder."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def names(self) -> list[str]:
+        try:
+            entries = sorted(self.folder.iterdir())
+        except FileNotFoundError:
+            return []
+        return [p.stem for p in entries if p.suffix in (".yaml", ".yml") and NAME_RE.match(p.stem)]
+
+    def path_of(self, name: str) -> Path:
+        """The file of a config name; bad names are 400, missing ones 404."""
+        if not NAME_RE.match(name):
+            raise ConfigError(
+                f"invalid config name {name!r}: must match {NAME_RE.pattern}", status=400
+            )
+        root = self.folder.resolve()
+        for suffix in (".yaml", ".yml"):
+            candidate = self.folder / f"{name}{suffix}"
+            if candidate.exists() or candidate.is_symlink():
+                real = candidate.resolve()
+                if root not in real.parents:
+                    raise ConfigError(
+                        f"config {name!r} is a link that leaves {self.folder}", status=400
+                    )
+                return candidate
+        raise ConfigNotFound(f"unknown config {name!r}: no {self.folder / name}.yaml")
+
+    def _read(self, name: str) -> tuple[Path, str, dict[str, Any]]:
+        path = self.path_of(name)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"{path}: {exc.strerror}", path=path) from exc
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ConfigError(f"{where}: invalid YAML: {problem}", path=path) from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}:1: a config must be a mapping", path=path)
+        return path, text, data
+
+    def load(self, name: str) -> ResolvedConfig:
+        chain: list[str] = []
+        layers: list[tuple[Path, str, dict[str, Any]]] = []
+        current: str | None = name
+        while current is not None:
+            if current in chain:
+                cycle = " → ".join([*chain, current])
+                raise ConfigError(f"{layers[-1][0]}: extends cycle: {cycle}", path=layers[-1][0])
+            chain.append(current)
+            try:
+                path, text, data = self._read(current)
+            except ConfigNotFound as exc:
+                if not layers:
+                    raise
+                child = layers[-1]
+                line = _line_of(child[0], child[1], ("extends",))
+                raise ConfigError(
+                    f"{child[0]}:{line}: extends: unknown config {current!r} "
+                    f"(no {self.folder / current}.yaml)",
+                    path=child[0],
+                ) from exc
+            layers.append((path, text, data))
+            parent = data.get("extends")
+            if parent is not None and not isinstance(parent, str):
+                line = _line_of(path, text, ("extends",))
+                raise ConfigError(f"{path}:{line}: extends must be a config name", path=path)
+            current = parent
+        # Validate each file on its own first, so an error points at the right file and line.
+        for path, text, data in layers:
+            self._validate(path, text, data)
+        merged: dict[str, Any] = {}
+        for _, _, data in reversed(layers):
+            merged = deep_merge(merged, {k: v for k, v in data.items() if k != "extends"})
+        config = self._validate(layers[0][0], layers[0][1], merged, merged_from=len(layers) > 1)
+        canonical = json.dumps(config.model_dump(mode="json"), sort_keys=True)
+        return ResolvedConfig(
+            name=name,
+            config=config,
+            argv=build_argv(config.command, config.args),
+            config_hash=hashlib.sha256(canonical.encode()).hexdigest()[:12],
+            files=tuple(p for p, _, _ in layers),
+        )
+
+    @staticmethod
+    def _validate(
+        path: Path, text: str, data: dict[str, Any], merged_from: bool = False
+    ) -> ServerConfig:
+        try:
+            return ServerConfig.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = tuple(err["loc"])
+            line = None if merged_from else _line_of(path, text, loc)
+            where = f"{path}:{line}" if line else str(path)
+            key = ".".join(str(p) for p in loc) or "(root)"
+            more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+            raise ConfigError(f"{where}: {key}: {err['msg']}{more}", path=path) from None
+
+
+def redacted_header_lines(cfg: ResolvedConfig) -> list[str]:
+    env = " ".join(f"{k}={v}" for k, v in cfg.redacted_env().items())
+    return [
+        f"config: {cfg.name} (hash {cfg.config_hash}; {', '.join(str(f) for f in cfg.files)})",
+        f"argv: {' '.join(cfg.redacted_argv())}",
+        f"env overrides: {env or '(none)'}",
+    ]

@@ -1,0 +1,136 @@
+"""Messages to the supervisor's owner task.
+
+Commands carry a reply future; internal events carry the launch generation they belong to, so
+a timer or probe of an earlier launch that fires late is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwarden.daemon.serverlog import ParsedLine
+
+
+def _future() -> asyncio.Future[Any]:
+    return asyncio.get_running_loop().create_future()
+
+
+# -- commands (from the API, the CLI through the API, and the daemon itself) ----------------------
+
+
+@dataclass(frozen=True)
+class StartRequested:
+    config: str | None
+    reply: asyncio.Future[Any] = field(default_factory=_future)
+    boot: bool = False
+
+
+@dataclass(frozen=True)
+class StopRequested:
+    reply: asyncio.Future[Any] = field(default_factory=_future)
+
+
+@dataclass(frozen=True)
+class RestartRequested:
+    config: str | None
+    reply: asyncio.Future[Any] = field(default_factory=_future)
+
+
+@dataclass(frozen=True)
+class ShutdownRequested:
+    """The daemon is exiting: stop the server, keep the saved intent."""
+
+    reply: asyncio.Future[Any] = field(default_factory=_future)
+
+
+# -- internal events ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuWaitDone:
+    gen: int
+    ok: bool
+    busy: str = ""
+
+
+@dataclass(frozen=True)
+class ChildExited:
+    gen: int
+    returncode: int | None
+
+
+@dataclass(frozen=True)
+class LineParsed:
+    gen: int
+    parsed: ParsedLine
+    line: str
+
+
+@dataclass(frozen=True)
+class ProbeSucceeded:
+    gen: int
+    detail: str
+
+
+@dataclass(frozen=True)
+class ProbeFailed:
+    gen: int
+    detail: str
+    readiness: bool = False
+
+
+@dataclass(frozen=True)
+class StartupTimedOut:
+    gen: int
+
+
+@dataclass(frozen=True)
+class GraceExpired:
+    gen: int
+
+
+@dataclass(frozen=True)
+class SweepDone:
+    gen: int
+    killed: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class BackoffElapsed:
+    gen: int
+
+
+@dataclass(frozen=True)
+class StableUptime:
+    """`reset_after_s` of ready: consecutive failures are forgiven."""
+
+    gen: int
+
+
+@dataclass(frozen=True)
+class EventNoted:
+    """A helper task has something to record (it posts; the owner records)."""
+
+    kind: str
+    fields: dict[str, Any]
+
+
+Message = (
+    StartRequested
+    | StopRequested
+    | RestartRequested
+    | ShutdownRequested
+    | GpuWaitDone
+    | ChildExited
+    | LineParsed
+    | ProbeSucceeded
+    | ProbeFailed
+    | StartupTimedOut
+    | GraceExpired
+    | SweepDone
+    | BackoffElapsed
+    | StableUptime
+    | EventNoted
+)

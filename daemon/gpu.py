@@ -1,0 +1,141 @@
+"""GPU probing behind one small interface: NVML (production), the fake GPU (demo, tests), none.
+
+Backends are synchronous; the supervisor calls them off the event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from gpuwarden.standin import fakegpu
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    name: str
+    used_mib: int
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    uuid: str
+    used_mib: int
+    total_mib: int
+    utilization_pct: float | None = None
+    processes: tuple[GpuProcess, ...] = ()
+
+
+@dataclass(frozen=True)
+class GpuSnapshot:
+    gpus: tuple[GpuInfo, ...] = ()
+    taken_at: float = field(default_factory=time.monotonic)
+    error: str | None = None  # the last error, with the snapshot kept from before it
+
+
+class GpuBackend(Protocol):
+    name: str
+
+    def snapshot(self) -> GpuSnapshot: ...
+
+    def close(self) -> None: ...
+
+
+class NoGpuBackend:
+    """No GPU information: every launch proceeds at once."""
+
+    name = "none"
+
+    def snapshot(self) -> GpuSnapshot:
+        return GpuSnapshot()
+
+    def close(self) -> None:
+        pass
+
+
+class FakeGpuBackend:
+    """The fake GPU folder (`GPUWARDEN_FAKE_GPU_DIR`), read with the format module's rules."""
+
+    name = "fake"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._reader = fakegpu.FakeGpuReader(root)
+        self._last = GpuSnapshot()
+
+    def snapshot(self) -> GpuSnapshot:
+        try:
+            usage = self._reader.usage()
+        except (fakegpu.FakeGpuError, OSError) as exc:
+            self._last = GpuSnapshot(self._last.gpus, self._last.taken_at, str(exc))
+            return self._last
+        self._last = GpuSnapshot(
+            tuple(
+                GpuInfo(
+                    index=g.index,
+                    uuid=g.uuid,
+                    used_mib=g.used_mib,
+                    total_mib=g.total_mib,
+                    utilization_pct=None,
+                    processes=tuple(GpuProcess(h.pid, h.name, h.mib) for h in g.holders),
+                )
+                for g in usage
+            )
+        )
+        return self._last
+
+    def close(self) -> None:
+        pass
+
+
+def select_gpus(snapshot: GpuSnapshot, wanted: list[str] | None) -> list[GpuInfo]:
+    """The GPUs a config uses, by index or UUID; all of them when `wanted` is None."""
+    if wanted is None:
+        return list(snapshot.gpus)
+    by_index = {str(g.index): g for g in snapshot.gpus}
+    by_uuid = {g.uuid: g for g in snapshot.gpus}
+    out = []
+    for token in wanted:
+        gpu = by_uuid.get(token) or by_index.get(token)
+        if gpu is not None and gpu not in out:
+            out.append(gpu)
+    return out
+
+
+def busy_gpus(
+    snapshot: GpuSnapshot, wanted: list[str] | None, busy_above_mib: int
+) -> list[GpuInfo]:
+    return [g for g in select_gpus(snapshot, wanted) if g.used_mib > busy_above_mib]
+
+
+def describe_busy(gpus: list[GpuInfo]) -> str:
+    parts = []
+    for g in gpus:
+        holders = ", ".join(f"pid {p.pid} ({p.name or '?'}, {p.used_mib} MiB)" for p in g.processes)
+        parts.append(f"GPU {g.index}: {g.used_mib} MiB used by {holders or 'unknown processes'}")
+    return "; ".join(parts)
+
+
+def make_backend(kind: str, fake_dir: Path | None) -> GpuBackend:
+    """`auto`: NVML when it initialises, else the fake GPU when its folder is set, else none."""
+    if kind == "fake":
+        if fake_dir is None:
+            raise ValueError(f"gpu.backend is fake but {fakegpu.ENV_DIR} is not set")
+        return FakeGpuBackend(fake_dir)
+    if kind == "none":
+        return NoGpuBackend()
+    if kind in ("nvml", "auto"):
+        try:
+            from gpuwarden.daemon.nvml import NvmlBackend  # noqa: PLC0415
+
+            return NvmlBackend()
+        except Exception:
+            if kind == "nvml":
+                raise
+    if fake_dir is not None:
+        return FakeGpuBackend(fake_dir)
+    return NoGpuBackend()

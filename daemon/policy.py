@@ -1,0 +1,112 @@
+"""Pure decisions: the restart delay and what an exit means. No I/O, no clock.
+
+Backoff (the contract's schedule)::
+
+    delay_n = min(max_delay_s, initial_delay_s * multiplier**(n-1) * (1 ± jitter))
+
+with the exponential part from tenacity's `wait_exponential` and the jitter from an injected
+`random.Random`, so tests can pin it.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tenacity import RetryCallState, wait_exponential
+
+from gpuwarden.daemon.serverlog import Finding
+from gpuwarden.daemon.settings import RestartPolicy
+
+REASONS = (
+    "requested_stop",
+    "config_error",
+    "cuda_oom",
+    "nccl_error",
+    "watchdog_timeout",
+    "port_in_use",
+    "startup_timeout",
+    "liveness_failed",
+    "rank_lost",
+    "exec_failed",
+    "log_unwritable",
+    "gpu_busy",
+    "preflight_refused",
+    "signal",
+    "crash",
+)
+# Reasons that retrying the same config cannot fix: no blind restart.
+NOT_RETRIED = frozenset({"config_error", "preflight_refused"})
+# Evidence found in the log, most specific first.
+_EVIDENCE_PRIORITY = ("cuda_oom", "nccl_error", "watchdog_timeout", "port_in_use", "config_error")
+
+
+def backoff_delay(policy: RestartPolicy, failures: int, rng: random.Random) -> float:
+    """The delay before retry number `failures` (1-based)."""
+    if failures <= 0:
+        return 0.0
+    state = RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
+    state.attempt_number = failures
+    base = wait_exponential(multiplier=policy.initial_delay_s, exp_base=policy.multiplier)(state)
+    factor = 1.0 + policy.jitter * (2.0 * rng.random() - 1.0)
+    return max(0.0, min(policy.max_delay_s, base * factor))
+
+
+@dataclass(frozen=True)
+class Classification:
+    reason: str
+    evidence: str
+
+
+def describe_returncode(returncode: int | None) -> tuple[int | None, int | None, str]:
+    """(exit code, signal number, words) from a Popen-style return code."""
+    if returncode is None:
+        return None, None, "no exit status"
+    if returncode < 0:
+        sig = -returncode
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return None, sig, f"killed by {name}"
+    return returncode, None, f"exited with code {returncode}"
+
+
+def classify_exit(
+    returncode: int | None,
+    findings: Sequence[Finding],
+    requested_stop: bool = False,
+    imposed: Classification | None = None,
+) -> Classification:
+    """What an exit means, with the line (or fact) that proves it.
+
+    `imposed` is a reason the supervisor decided before it ended the process (startup
+    timeout, liveness, lost rank); `requested_stop` covers SGLang's -9 after our SIGTERM.
+    """
+    _, sig, words = describe_returncode(returncode)
+    if imposed is not None:
+        return imposed
+    if requested_stop:
+        return Classification("requested_stop", f"stopped on request ({words})")
+    by_kind: dict[str, Finding] = {}
+    for f in findings:
+        by_kind.setdefault(f.kind, f)
+    if returncode == 2:
+        found = by_kind.get("config_error")
+        return Classification("config_error", found.line if found else f"{words} (usage error)")
+    for kind in _EVIDENCE_PRIORITY:
+        if kind in by_kind:
+            return Classification(kind, by_kind[kind].line)
+    exceptions = [f.line for f in findings if f.kind == "exception"]
+    if exceptions:
+        # Prefer the exception's own line over "Scheduler hit an exception: Traceback ...".
+        typed = [e for e in exceptions if not e.startswith(("Scheduler hit", "Detokenizer"))]
+        return Classification("crash", (typed or exceptions)[-1])
+    if "scheduler_dead" in by_kind:
+        return Classification("crash", by_kind["scheduler_dead"].line)
+    if sig is not None:
+        hint = " (possible OOM kill)" if sig == signal.SIGKILL else ""
+        return Classification("signal", f"{words}{hint}")
+    return Classification("crash", words)

@@ -1,0 +1,130 @@
+"""``gpuwarden serve``: the daemon in the foreground (systemd runs this).
+
+The supervisor and uvicorn share one event loop. uvicorn's own signal capture is turned off:
+the daemon keeps SIGTERM/SIGINT, so shutdown stops the server first, then the control plane.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+from collections.abc import Generator
+from pathlib import Path
+
+import structlog
+import uvicorn
+
+from gpuwarden.api.app import create_app
+from gpuwarden.daemon import child as childmod
+from gpuwarden.daemon import logsetup
+from gpuwarden.daemon.gpu import make_backend
+from gpuwarden.daemon.settings import Settings, SettingsError, load_settings
+from gpuwarden.daemon.supervisor import Supervisor
+from gpuwarden.standin import fakegpu
+
+log = structlog.get_logger("gpuwarden")
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield  # the daemon owns the signals
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    p.add_argument("--settings", type=Path, default=None, help="settings YAML")
+    p.add_argument("--listen", default=None, help="control plane HOST:PORT (overrides settings)")
+    p.set_defaults(func=run)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(128)
+    sock.set_inheritable(False)
+    return sock
+
+
+async def serve(settings: Settings) -> int:
+    host, port = settings.listen_host_port
+    try:
+        sock = bind(host, port)
+    except OSError as exc:
+        print(f"gpuwarden: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
+        return 1
+    bound_host, bound_port = sock.getsockname()[:2]
+    subreaper = childmod.become_subreaper()
+    try:
+        gpu = make_backend(settings.gpu.backend, fakegpu.dir_from_env())
+    except Exception as exc:
+        print(f"gpuwarden: GPU backend {settings.gpu.backend!r}: {exc}", file=sys.stderr)
+        sock.close()
+        return 1
+    supervisor = Supervisor(settings, gpu)
+    app = create_app(supervisor, settings)
+    server = _Server(
+        uvicorn.Config(
+            app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=2
+        )
+    )
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGCHLD, childmod.reap_orphans)
+
+    sup_task = loop.create_task(supervisor.run())
+    api_task = loop.create_task(server.serve(sockets=[sock]))
+    log.info(
+        "daemon.starting",
+        settings_state_dir=str(settings.state_dir),
+        gpu_backend=gpu.name,
+        subreaper=subreaper,
+    )
+    # uvicorn exposes `started` as a flag, not an event.
+    while not server.started and not api_task.done():  # noqa: ASYNC110
+        await asyncio.sleep(0.005)
+    if api_task.done():
+        return 1
+    log.info(
+        "api.listening", host=bound_host, port=bound_port, url=f"http://{bound_host}:{bound_port}"
+    )
+    stop_wait = loop.create_task(stop.wait())
+    done, _ = await asyncio.wait({stop_wait, sup_task}, return_when=asyncio.FIRST_COMPLETED)
+    rc = 0
+    if sup_task in done:
+        log.error("daemon.supervisor_ended", error=repr(sup_task.exception()))
+        rc = 1
+    else:
+        log.info("daemon.stopping", detail="stopping the server; the saved intent is kept")
+        await supervisor.shutdown()
+        await sup_task
+    stop_wait.cancel()
+    server.should_exit = True
+    with contextlib.suppress(Exception):
+        await api_task
+    gpu.close()
+    supervisor.events.close()
+    log.info("daemon.stopped", rc=rc)
+    return rc
+
+
+def run(args: argparse.Namespace) -> int:
+    logsetup.configure()
+    try:
+        settings = load_settings(args.settings, listen=args.listen)
+    except SettingsError as exc:
+        print(f"gpuwarden: {exc}", file=sys.stderr)
+        return 1
+    return asyncio.run(serve(settings))

@@ -1,0 +1,162 @@
+"""The daemon's settings: YAML (``--settings``), overridden by ``GPUWARDEN_<KEY>`` variables.
+
+Every key is optional. Nested keys use ``__`` in the environment
+(``GPUWARDEN_RESTART__INITIAL_DELAY_S=0``). Relative paths are relative to the settings file's
+folder (the working directory without a file).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class SettingsError(Exception):
+    """Settings that cannot be used; the message names the file and the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Retention(_Strict):
+    launches: int = Field(50, ge=1)
+    max_bytes: int = Field(2 * 1024**3, ge=1)
+
+
+class RestartPolicy(_Strict):
+    initial_delay_s: float = Field(10.0, ge=0)
+    max_delay_s: float = Field(300.0, ge=0)
+    multiplier: float = Field(2.0, ge=1)
+    jitter: float = Field(0.2, ge=0, lt=1)
+    reset_after_s: float = Field(600.0, ge=0)
+    crash_loop_after: int = Field(3, ge=1)
+    max_failures: int | None = Field(None, ge=1)
+    probation_s: float = Field(60.0, ge=0)
+
+
+class StopPolicy(_Strict):
+    grace_s: float = Field(60.0, ge=0)
+
+
+class GpuSettings(_Strict):
+    backend: Literal["auto", "nvml", "fake", "none"] = "auto"
+    poll_interval_s: float = Field(0.1, gt=0)
+    release_timeout_s: float = Field(180.0, ge=0)
+    busy_above_mib: int = Field(2048, ge=0)
+
+
+class Webhook(_Strict):
+    url: str
+    format: Literal["slack", "generic"] = "slack"
+
+
+class ChatSettings(_Strict):
+    triggers: list[str] = Field(
+        default_factory=lambda: ["server crashed", "server is down", "dump logs"]
+    )
+    verification_token: str | None = None
+    webhooks: list[Webhook] = Field(default_factory=list)
+
+    @field_validator("webhooks", mode="before")
+    @classmethod
+    def _urls_to_webhooks(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return [{"url": v} if isinstance(v, str) else v for v in value]
+        return value
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="GPUWARDEN_", env_nested_delimiter="__", extra="forbid"
+    )
+
+    listen: str = "127.0.0.1:8600"
+    token_file: Path | None = None
+    configs_dir: Path = Path("./configs")
+    default_config: str | None = None
+    state_dir: Path = Path("./state")
+    log_dir: Path = Path("./logs")
+    log_retention: Retention = Field(default_factory=Retention)  # type: ignore[arg-type]
+    restart: RestartPolicy = Field(default_factory=RestartPolicy)  # type: ignore[arg-type]
+    stop: StopPolicy = Field(default_factory=StopPolicy)  # type: ignore[arg-type]
+    gpu: GpuSettings = Field(default_factory=GpuSettings)  # type: ignore[arg-type]
+    chat: ChatSettings = Field(default_factory=ChatSettings)
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        parse_listen(value)
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The environment wins over the file (passed as init values).
+        return (env_settings, init_settings)
+
+    def resolve_paths(self, base: Path) -> Settings:
+        def fix(p: Path) -> Path:
+            return p if p.is_absolute() else (base / p).resolve()
+
+        updates: dict[str, Any] = {
+            "configs_dir": fix(self.configs_dir),
+            "state_dir": fix(self.state_dir),
+            "log_dir": fix(self.log_dir),
+        }
+        if self.token_file is not None:
+            updates["token_file"] = fix(self.token_file)
+        return self.model_copy(update=updates)
+
+    @property
+    def listen_host_port(self) -> tuple[str, int]:
+        return parse_listen(self.listen)
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"listen must be HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def load_settings(path: Path | None, listen: str | None = None) -> Settings:
+    """Read settings from `path` (optional) and the environment; paths made absolute."""
+    data: dict[str, Any] = {}
+    base = Path.cwd()
+    if path is not None:
+        base = path.resolve().parent
+        try:
+            loaded = yaml.safe_load(path.read_text()) if path.exists() else None
+        except yaml.YAMLError as exc:
+            raise SettingsError(f"{path}: {exc}") from exc
+        except OSError as exc:
+            raise SettingsError(f"{path}: {exc.strerror}") from exc
+        if not path.exists():
+            raise SettingsError(f"{path}: no such file")
+        if loaded is not None and not isinstance(loaded, dict):
+            raise SettingsError(f"{path}: the settings must be a mapping")
+        data = loaded or {}
+    if listen is not None:
+        data["listen"] = listen
+    try:
+        settings = Settings(**data)
+    except ValidationError as exc:
+        where = str(path) if path else "settings"
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '(root)'}: {e['msg']}" for e in exc.errors()
+        )
+        raise SettingsError(f"{where}: {problems}") from None
+    if listen is not None:
+        settings = settings.model_copy(update={"listen": listen})
+    return settings.resolve_paths(base)

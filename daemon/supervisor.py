@@ -1,0 +1,1006 @@
+"""The supervisor: the single owner of the server's lifecycle.
+
+One task (`run`) owns every piece of mutable lifecycle state. Everything else talks to it by
+posting a message (`events.py`) to its inbox; commands carry a reply future. Long operations
+(waiting for GPUs, grace periods, probes, sweeps, backoff) run as tasks that post their outcome
+back, tagged with the launch generation so that late ones are dropped. State changes go through
+`_transition`, which checks the one transition table in `states.py`.
+
+A launch attempt: waiting_gpu → starting → ready; a failure anywhere ends in backoff (or failed,
+for config errors and after `max_failures`), and the same sweep runs after every exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gpuwarden.daemon import child as childmod
+from gpuwarden.daemon.clock import Clock, SystemClock
+from gpuwarden.daemon.configs import ConfigError, ConfigStore, ResolvedConfig, redacted_header_lines
+from gpuwarden.daemon.events import (
+    BackoffElapsed,
+    ChildExited,
+    EventNoted,
+    GpuWaitDone,
+    GraceExpired,
+    LineParsed,
+    Message,
+    ProbeFailed,
+    ProbeSucceeded,
+    RestartRequested,
+    ShutdownRequested,
+    StableUptime,
+    StartRequested,
+    StartupTimedOut,
+    StopRequested,
+    SweepDone,
+)
+from gpuwarden.daemon.gpu import GpuBackend, GpuSnapshot, busy_gpus, describe_busy
+from gpuwarden.daemon.health import HttpProber, Prober
+from gpuwarden.daemon.policy import NOT_RETRIED, Classification, backoff_delay, classify_exit
+from gpuwarden.daemon.redact import Redactor, secret_values
+from gpuwarden.daemon.serverlog import (
+    Finding,
+    LaunchLog,
+    LogUnwritable,
+    ParsedLine,
+    decode_metrics,
+    prune_logs,
+)
+from gpuwarden.daemon.settings import Settings
+from gpuwarden.daemon.states import RUNNING_STATES, ServerState, check_transition
+from gpuwarden.daemon.store import EventLog, StateStore
+
+S = ServerState
+log = structlog.get_logger("gpuwarden.supervisor")
+
+MAX_FINDINGS = 200
+PIPE_DRAIN_S = 0.2  # after an exit, how long to wait for the last output before classifying
+LAUNCH_HISTORY = 50
+
+
+class CommandError(Exception):
+    """A command the supervisor refuses; maps to an HTTP status."""
+
+    def __init__(self, status: int, error: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.error = error
+        self.detail = detail
+
+
+class Next(StrEnum):
+    """What to do once a launch has exited and been swept."""
+
+    STOP = "stop"  # stopped on request
+    RELAUNCH = "relaunch"  # a restart or swap: start `next_config`
+    RETRY = "retry"  # we ended it (startup timeout, liveness): the restart policy decides
+    SHUTDOWN = "shutdown"  # the daemon is exiting
+
+
+@dataclass
+class Launch:
+    gen: int
+    config: ResolvedConfig
+    launch_id: str = ""
+    log: LaunchLog | None = None
+    child: childmod.ChildProcess | None = None
+    redactor: Redactor = field(default_factory=Redactor)
+    started_at: float | None = None
+    started_mono: float | None = None
+    ready_at: float | None = None
+    ready_mono: float | None = None
+    findings: list[Finding] = field(default_factory=list)
+    exited: bool = False
+    returncode: int | None = None
+    next: Next | None = None
+    next_config: ResolvedConfig | None = None
+    imposed: Classification | None = None
+    probe_failures: int = 0
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def add_findings(self, findings: list[Finding]) -> None:
+        if len(self.findings) < MAX_FINDINGS:
+            self.findings.extend(findings)
+        else:  # keep the first ones and the latest ones
+            self.findings[MAX_FINDINGS // 2 :] = [
+                *self.findings[MAX_FINDINGS // 2 + len(findings) :],
+                *findings,
+            ]
+
+    def cancel_tasks(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        self.tasks.clear()
+
+
+def utc_iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+
+
+class Supervisor:
+    def __init__(
+        self,
+        settings: Settings,
+        gpu: GpuBackend,
+        *,
+        configs: ConfigStore | None = None,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+        prober: Prober | None = None,
+        store: StateStore | None = None,
+        events: EventLog | None = None,
+    ) -> None:
+        self.settings = settings
+        self.gpu = gpu
+        self.configs = configs or ConfigStore(settings.configs_dir)
+        self.clock: Clock = clock or SystemClock()
+        self.rng = rng or random.Random()
+        self.prober: Prober = prober or HttpProber()
+        self.store = store or StateStore(settings.state_dir)
+        self.events = events or EventLog(settings.state_dir / "events.jsonl")
+        self._inbox: asyncio.Queue[Message] = asyncio.Queue()
+        self._changed = asyncio.Condition()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._running = False
+        self._stopped = asyncio.Event()
+
+        self.state = S.STOPPED
+        self.state_since = self.clock.time()
+        self._gen = 0
+        self.launch: Launch | None = None
+        self.intent_config: str | None = None
+        self.intent_running = False
+        self.last_good_config: str | None = None
+        self.last_good_launch: str | None = None
+        self.last_failed_launch: str | None = None
+        self.failures = 0
+        self.restarts = 0
+        self.crash_loop = False
+        self.next_retry_at: float | None = None
+        self.last_exit: dict[str, Any] | None = None
+        self.last_sweep_killed: list[dict[str, Any]] = []
+        self.server_metrics: dict[str, Any] = {}
+        self.gpu_snapshot = GpuSnapshot()
+        self.launch_history: list[dict[str, Any]] = []
+        self._launch_seq = 0
+        self._backoff_task: asyncio.Task[Any] | None = None
+        self._gpu_task: asyncio.Task[Any] | None = None
+        self._shutdown_replies: list[asyncio.Future[Any]] = []
+        self.line_listeners: set[Callable[[str], None]] = set()
+
+    # -- public: thin clients of the owner task ---------------------------------------------------
+
+    async def request(self, msg: StartRequested | StopRequested | RestartRequested) -> Any:
+        self._inbox.put_nowait(msg)
+        return await msg.reply
+
+    async def start(self, config: str | None = None) -> Any:
+        return await self.request(StartRequested(config))
+
+    async def stop(self) -> Any:
+        return await self.request(StopRequested())
+
+    async def restart(self, config: str | None = None) -> Any:
+        return await self.request(RestartRequested(config))
+
+    async def shutdown(self) -> None:
+        """Stop the server (the saved intent is kept) and end `run`."""
+        msg = ShutdownRequested()
+        self._inbox.put_nowait(msg)
+        await msg.reply
+
+    async def wait_for(self, predicate: Callable[[Supervisor], bool], timeout: float) -> None:
+        """Wake on every handled message until `predicate(self)` holds."""
+        async with asyncio.timeout(timeout), self._changed:
+            await self._changed.wait_for(lambda: predicate(self))
+
+    async def wait_for_state(self, *states: ServerState, timeout: float = 10.0) -> None:
+        await self.wait_for(lambda s: s.state in states, timeout)
+
+    def post(self, msg: Message) -> None:
+        self._inbox.put_nowait(msg)
+
+    # -- the owner ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._running = True
+        self._spawn(self._poll_gpus())
+        await self._boot()
+        await self._notify()
+        try:
+            while self._running:
+                msg = await self._inbox.get()
+                try:
+                    await self._handle(msg)
+                except CommandError as exc:
+                    reply = getattr(msg, "reply", None)
+                    if reply is not None and not reply.done():
+                        reply.set_exception(exc)
+                except Exception as exc:  # a bug must not take supervision down
+                    log.exception("supervisor.error", message=type(msg).__name__)
+                    reply = getattr(msg, "reply", None)
+                    if reply is not None and not reply.done():
+                        reply.set_exception(exc)
+                await self._notify()
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            await self.prober.close()
+            self._stopped.set()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _handle(self, msg: Message) -> None:
+        match msg:
+            case StartRequested():
+                msg.reply.set_result(await self._on_start(msg.config, boot=msg.boot))
+            case StopRequested():
+                msg.reply.set_result(self._on_stop())
+            case RestartRequested():
+                msg.reply.set_result(self._on_restart(msg.config))
+            case ShutdownRequested():
+                self._on_shutdown(msg.reply)
+            case GpuWaitDone():
+                await self._on_gpu_wait_done(msg)
+            case ChildExited():
+                self._on_child_exited(msg)
+            case SweepDone():
+                self._on_sweep_done(msg)
+            case LineParsed():
+                self._on_line_parsed(msg)
+            case ProbeSucceeded():
+                self._on_probe_ok(msg)
+            case ProbeFailed():
+                self._on_probe_failed(msg)
+            case StartupTimedOut():
+                self._on_startup_timeout(msg)
+            case GraceExpired():
+                self._on_grace_expired(msg)
+            case BackoffElapsed():
+                self._on_backoff_elapsed(msg)
+            case StableUptime():
+                self._on_stable_uptime(msg)
+            case EventNoted():
+                self._event(msg.kind, **msg.fields)
+
+    # -- the one place state changes ---------------------------------------------------------------
+
+    def _transition(self, new: ServerState, **fields: Any) -> None:
+        old = self.state
+        check_transition(old, new)
+        self.state = new
+        self.state_since = self.clock.time()
+        if new != S.BACKOFF:
+            self.next_retry_at = None
+        self._event("state", **{"from": str(old), "to": str(new)}, **fields)
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        launch = self.launch
+        record: dict[str, Any] = {"ts": utc_iso(self.clock.time()), "event": kind}
+        if launch is not None:
+            record.setdefault("config", launch.config.name)
+            if launch.launch_id:
+                record["launch_id"] = launch.launch_id
+        record.update({k: v for k, v in fields.items() if v is not None})
+        self.events.append(record)
+        log.info(f"server.{kind}", **{k: v for k, v in record.items() if k not in ("event", "ts")})
+
+    def _spawn(
+        self, coro: Coroutine[Any, Any, Any], launch: Launch | None = None
+    ) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if launch is not None:
+            launch.tasks.add(task)
+            task.add_done_callback(launch.tasks.discard)
+        return task
+
+    def _timer(
+        self, seconds: float, msg: Message, launch: Launch | None = None
+    ) -> asyncio.Task[Any]:
+        async def fire() -> None:
+            await self.clock.sleep(seconds)
+            self.post(msg)
+
+        return self._spawn(fire(), launch)
+
+    # -- boot ----------------------------------------------------------------------------------
+
+    async def _boot(self) -> None:
+        data, note = self.store.load()
+        if note:
+            self._event("state_file_corrupt", detail=note)
+        intent = data.get("intent") or {}
+        self.intent_config = intent.get("config")
+        self.intent_running = bool(intent.get("running"))
+        self.last_good_config = data.get("last_good_config")
+        self.last_good_launch = data.get("last_good_launch")
+        self.last_failed_launch = data.get("last_failed_launch")
+        self._launch_seq = int(data.get("launch_seq", 0) or 0)
+        self.launch_history = list(data.get("launches") or [])[-LAUNCH_HISTORY:]
+        self.last_exit = data.get("last_exit")
+        await self._stop_previous_life(data.get("current_launch"))
+        if intent:
+            if self.intent_running and self.intent_config:
+                self.post(StartRequested(self.intent_config, boot=True))
+        elif self.settings.default_config:
+            self.post(StartRequested(self.settings.default_config, boot=True))
+        self._persist()
+
+    async def _stop_previous_life(self, record: dict[str, Any] | None) -> None:
+        """A server group from the daemon's previous life, still alive, is stopped first."""
+        if not record:
+            return
+        pid = int(record.get("pid") or 0)
+        same_boot = record.get("boot_id") == childmod.boot_id()
+        alive = same_boot and pid > 0 and childmod.is_alive(pid, record.get("create_time"))
+        launch_id = str(record.get("launch_id") or "")
+        leftovers = (
+            childmod.find_leftovers(launch_id, record.get("pgid") if alive else None)
+            if (same_boot and launch_id)
+            else []
+        )
+        if not alive and not leftovers:
+            return
+        self._event(
+            "previous_server_found",
+            pid=pid,
+            launch_id=launch_id,
+            detail="a server from the daemon's previous life is still running; stopping it",
+        )
+        if alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + self.settings.stop.grace_s
+            # Not our child: its death is no event we can await.
+            while time.monotonic() < deadline and childmod.is_alive(pid, record.get("create_time")):  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(int(record.get("pgid") or pid), signal.SIGKILL)
+        leftovers = childmod.find_leftovers(launch_id, int(record.get("pgid") or pid))
+        killed = await childmod.kill_leftovers(leftovers)
+        self._event(
+            "previous_server_stopped",
+            pid=pid,
+            killed=[{"pid": k.pid, "name": k.name} for k in killed],
+        )
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def _persist(self) -> None:
+        launch = self.launch
+        current = None
+        if launch is not None and launch.child is not None and not launch.exited:
+            current = {
+                "launch_id": launch.launch_id,
+                "config": launch.config.name,
+                "pid": launch.child.pid,
+                "pgid": launch.child.pgid,
+                "create_time": launch.child.create_time,
+                "boot_id": childmod.boot_id(),
+                "started_at": launch.started_at,
+            }
+        self.store.save(
+            {
+                "intent": {"config": self.intent_config, "running": self.intent_running},
+                "last_good_config": self.last_good_config,
+                "last_good_launch": self.last_good_launch,
+                "last_failed_launch": self.last_failed_launch,
+                "failures": self.failures,
+                "launch_seq": self._launch_seq,
+                "current_launch": current,
+                "last_exit": self.last_exit,
+                "launches": self.launch_history[-LAUNCH_HISTORY:],
+            }
+        )
+
+    def _set_intent(self, config: str | None, running: bool) -> None:
+        self.intent_config = config
+        self.intent_running = running
+        self._persist()
+
+    # -- commands ------------------------------------------------------------------------------
+
+    def _resolve(self, name: str | None) -> ResolvedConfig:
+        if not name:
+            raise CommandError(
+                400, "bad_request", "no config given, none running and no default_config set"
+            )
+        try:
+            return self.configs.load(name)
+        except ConfigError as exc:
+            raise CommandError(exc.status, _error_name(exc.status), str(exc)) from exc
+
+    async def _on_start(self, name: str | None, boot: bool = False) -> dict[str, Any]:
+        if self.state in (S.WAITING_GPU, *RUNNING_STATES):
+            current = self.launch.config.name if self.launch else self.intent_config
+            raise CommandError(
+                409,
+                "conflict",
+                f"a server is already {self.state} (config {current}); use restart to swap",
+            )
+        name = name or self.intent_config or self.settings.default_config
+        try:
+            cfg = self._resolve(name)
+        except CommandError as exc:
+            if exc.status == 422 or boot:
+                self._refuse(name, exc.detail)
+            raise
+        self._cancel_backoff()
+        self.failures = 0
+        self.crash_loop = False
+        self._set_intent(cfg.name, True)
+        self._begin_attempt(cfg)
+        return {"accepted": True, "config": cfg.name, "state": str(self.state)}
+
+    def _refuse(self, name: str | None, detail: str) -> None:
+        """A start whose preflight failed: `failed` with `preflight_refused`."""
+        self.intent_config, self.intent_running = name, True
+        self.last_exit = {
+            "code": None,
+            "signal": None,
+            "reason": "preflight_refused",
+            "evidence": detail,
+            "at": utc_iso(self.clock.time()),
+            "launch_id": None,
+        }
+        self._event("preflight_refused", config=name, detail=detail)
+        if self.state != S.FAILED:
+            self._transition(S.FAILED, reason="preflight_refused")
+        self._persist()
+
+    def _on_stop(self) -> dict[str, Any]:
+        self._set_intent(self.intent_config, False)
+        launch = self.launch
+        if self.state in (S.STOPPED,):
+            return {"accepted": True, "state": str(self.state)}
+        if self.state in (S.FAILED, S.BACKOFF, S.WAITING_GPU):
+            self._cancel_backoff()
+            self._cancel_gpu_wait()
+            self._transition(S.STOPPED, reason="requested_stop")
+        elif self.state == S.STOPPING and launch is not None:
+            launch.next, launch.next_config = Next.STOP, None  # stop wins over a relaunch
+        elif launch is not None:
+            self._begin_stop(launch, Next.STOP)
+        return {"accepted": True, "state": str(self.state)}
+
+    def _on_restart(self, name: str | None) -> dict[str, Any]:
+        cfg = self._resolve(name or self.intent_config or self.settings.default_config)
+        self.failures = 0
+        self.crash_loop = False
+        self._set_intent(cfg.name, True)
+        launch = self.launch
+        if self.state in (S.STARTING, S.READY, S.UNHEALTHY) and launch is not None:
+            self._begin_stop(launch, Next.RELAUNCH, next_config=cfg)
+        elif self.state == S.STOPPING and launch is not None:
+            launch.next, launch.next_config = Next.RELAUNCH, cfg
+        else:
+            self._cancel_backoff()
+            self._cancel_gpu_wait()
+            self._begin_attempt(cfg)
+        return {"accepted": True, "config": cfg.name, "state": str(self.state)}
+
+    def _on_shutdown(self, reply: asyncio.Future[Any]) -> None:
+        launch = self.launch
+        if self.state in RUNNING_STATES and launch is not None:
+            self._shutdown_replies.append(reply)
+            if self.state != S.STOPPING:
+                self._begin_stop(launch, Next.SHUTDOWN)
+            else:
+                launch.next, launch.next_config = Next.SHUTDOWN, None
+            return
+        self._cancel_backoff()
+        self._cancel_gpu_wait()
+        self._running = False
+        self._persist()
+        reply.set_result(None)
+
+    # -- a launch attempt -----------------------------------------------------------------------
+
+    def _begin_attempt(self, cfg: ResolvedConfig) -> None:
+        self._gen += 1
+        self.launch = Launch(gen=self._gen, config=cfg)
+        if self.state != S.WAITING_GPU:
+            self._transition(S.WAITING_GPU, config=cfg.name)
+        self._gpu_task = self._spawn(self._wait_for_gpus(self.launch))
+
+    async def _wait_for_gpus(self, launch: Launch) -> None:
+        cfg = self.settings.gpu
+        deadline = self.clock.monotonic() + cfg.release_timeout_s
+        announced = False
+        while True:
+            snap = await asyncio.to_thread(self.gpu.snapshot)
+            self.gpu_snapshot = snap
+            busy = busy_gpus(snap, launch.config.gpus, cfg.busy_above_mib)
+            if not busy:
+                self.post(GpuWaitDone(launch.gen, True))
+                return
+            if not announced:
+                announced = True
+                self.post_event("gpu_wait", detail=describe_busy(busy))
+            if self.clock.monotonic() >= deadline:
+                self.post(GpuWaitDone(launch.gen, False, describe_busy(busy)))
+                return
+            await self.clock.sleep(cfg.poll_interval_s)
+
+    def post_event(self, kind: str, **fields: Any) -> None:
+        """Record an event from a helper task: posted, so the owner records it and wakes waiters."""
+        self.post(EventNoted(kind, fields))
+
+    def _current(self, gen: int) -> Launch | None:
+        launch = self.launch
+        return launch if launch is not None and launch.gen == gen else None
+
+    async def _on_gpu_wait_done(self, msg: GpuWaitDone) -> None:
+        launch = self._current(msg.gen)
+        if launch is None or self.state != S.WAITING_GPU:
+            return
+        if not msg.ok:
+            self._fail(
+                launch,
+                Classification(
+                    "gpu_busy",
+                    f"GPUs still busy after {self.settings.gpu.release_timeout_s:g} s: {msg.busy}",
+                ),
+            )
+            return
+        await self._launch_now(launch)
+
+    def _new_launch_id(self) -> str:
+        self._launch_seq += 1
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.clock.time()))
+        return f"{stamp}-{self._launch_seq:06d}"
+
+    async def _launch_now(self, launch: Launch) -> None:
+        cfg = launch.config
+        launch.launch_id = self._new_launch_id()
+        launch.redactor = Redactor(secret_values(cfg.argv, cfg.env))
+        path = self.settings.log_dir / cfg.name / f"{launch.launch_id}.log"
+        header = [
+            f"gpuwarden launch {launch.launch_id} at {utc_iso(self.clock.time())}",
+            *redacted_header_lines(cfg),
+        ]
+        gen = launch.gen
+        try:
+            launch.log = LaunchLog(
+                path,
+                header,
+                on_line=lambda text, parsed: self._on_line(launch, text, parsed),
+                redact=launch.redactor.text,
+            )
+        except LogUnwritable as exc:
+            self._fail(launch, Classification("log_unwritable", f"cannot create the log: {exc}"))
+            return
+        env = {**os.environ, **cfg.env}
+        try:
+            child = await childmod.spawn(cfg.argv, env, launch.launch_id, launch.log.feed)
+        except OSError as exc:
+            detail = f"cannot execute {cfg.argv[0]!r}: {exc.strerror or exc}"
+            launch.log.close(f"exec failed: {detail}")
+            self._fail(launch, Classification("exec_failed", detail))
+            return
+        launch.child = child
+        launch.started_at = self.clock.time()
+        launch.started_mono = self.clock.monotonic()
+        child.exited.add_done_callback(
+            lambda fut: self.post(ChildExited(gen, fut.result() if not fut.cancelled() else None))
+        )
+        self._transition(S.STARTING, pid=child.pid, log_file=str(path))
+        self._event("launch", pid=child.pid, argv=cfg.redacted_argv(), log_file=str(path))
+        self._persist()
+        health = cfg.config.health
+        self._timer(health.startup_timeout_s, StartupTimedOut(gen), launch)
+        self._spawn(self._probe_loop(launch, readiness=True), launch)
+        self._spawn(self._flush_loop(launch), launch)
+        self._spawn(self._prune_logs())
+
+    def _on_line(self, launch: Launch, text: str, parsed: ParsedLine | None) -> None:
+        """Called by the log pipeline for every line. Findings are log data kept on the launch;
+        what changes state (the ready line) or status (decode metrics) is posted to the owner."""
+        for listener in list(self.line_listeners):
+            listener(text)
+        if parsed is None:
+            return
+        if parsed.findings:
+            launch.add_findings(
+                [Finding(f.kind, launch.redactor.text(f.line)) for f in parsed.findings]
+            )
+        if parsed.ready or parsed.decode is not None:
+            self.post(LineParsed(launch.gen, parsed, text))
+
+    def _on_line_parsed(self, msg: LineParsed) -> None:
+        launch = self._current(msg.gen)
+        if launch is None:
+            return
+        if msg.parsed.decode is not None:
+            self.server_metrics = {
+                **decode_metrics(msg.parsed.decode),
+                "at": utc_iso(self.clock.time()),
+            }
+        if msg.parsed.ready and self.state == S.STARTING:
+            self._became_ready(launch, "ready line")
+
+    def _on_probe_ok(self, msg: ProbeSucceeded) -> None:
+        launch = self._current(msg.gen)
+        if launch is None:
+            return
+        if self.state == S.STARTING:
+            self._became_ready(launch, msg.detail)
+        elif self.state in (S.READY, S.UNHEALTHY):
+            launch.probe_failures = 0
+
+    def _became_ready(self, launch: Launch, how: str) -> None:
+        launch.ready_at = self.clock.time()
+        launch.ready_mono = self.clock.monotonic()
+        launch.cancel_tasks()
+        took = launch.ready_mono - (launch.started_mono or launch.ready_mono)
+        self._transition(S.READY, via=how, time_to_ready_s=round(took, 3))
+        self.last_good_config = launch.config.name
+        self.last_good_launch = launch.launch_id
+        self._persist()
+        self._spawn(self._probe_loop(launch, readiness=False), launch)
+        self._spawn(self._flush_loop(launch), launch)
+        self._timer(self.settings.restart.reset_after_s, StableUptime(launch.gen), launch)
+        self._spawn(self._refresh_gpus())
+
+    async def _probe_loop(self, launch: Launch, readiness: bool) -> None:
+        health = launch.config.config.health
+        url = launch.config.health_url
+        while True:
+            await self.clock.sleep(
+                health.interval_s if not readiness else min(health.interval_s, 1.0)
+            )
+            result = await self.prober.probe(url, health.timeout_s)
+            if result.ok:
+                if readiness or launch.probe_failures:
+                    self.post(ProbeSucceeded(launch.gen, result.detail))
+                if readiness:
+                    return
+            elif not readiness:
+                self.post(ProbeFailed(launch.gen, result.detail))
+
+    async def _flush_loop(self, launch: Launch) -> None:
+        while launch.log is not None and not launch.log.closed:
+            await asyncio.sleep(0.2)
+            launch.log.flush()
+
+    def _on_probe_failed(self, msg: ProbeFailed) -> None:
+        launch = self._current(msg.gen)
+        if launch is None or self.state not in (S.READY, S.UNHEALTHY):
+            return
+        launch.probe_failures += 1
+        limit = launch.config.config.health.failures
+        self._event("probe_failed", detail=msg.detail, consecutive=launch.probe_failures)
+        if launch.probe_failures >= limit:
+            self._transition(S.UNHEALTHY, detail=msg.detail)
+            self._begin_stop(
+                launch,
+                Next.RETRY,
+                imposed=Classification(
+                    "liveness_failed", f"{limit} consecutive failed probes; last: {msg.detail}"
+                ),
+            )
+
+    def _on_startup_timeout(self, msg: StartupTimedOut) -> None:
+        launch = self._current(msg.gen)
+        if launch is None or self.state != S.STARTING:
+            return
+        timeout = launch.config.config.health.startup_timeout_s
+        self._begin_stop(
+            launch,
+            Next.RETRY,
+            imposed=Classification(
+                "startup_timeout", f"not ready within startup_timeout_s={timeout:g}"
+            ),
+        )
+
+    def _on_stable_uptime(self, msg: StableUptime) -> None:
+        if self._current(msg.gen) is None or self.state != S.READY:
+            return
+        if self.failures or self.crash_loop:
+            self._event("failures_reset", after_failures=self.failures)
+        self.failures = 0
+        self.crash_loop = False
+        self._persist()
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    def _begin_stop(
+        self,
+        launch: Launch,
+        nxt: Next,
+        next_config: ResolvedConfig | None = None,
+        imposed: Classification | None = None,
+    ) -> None:
+        launch.next, launch.next_config, launch.imposed = nxt, next_config, imposed
+        if self.state != S.STOPPING:
+            self._transition(S.STOPPING, next=str(nxt), reason=imposed.reason if imposed else None)
+        if launch.exited or launch.child is None:
+            return  # the exit is already being handled
+        launch.cancel_tasks()
+        self._spawn(self._flush_loop(launch), launch)
+        launch.child.signal(signal.SIGTERM)
+        self._timer(self.settings.stop.grace_s, GraceExpired(launch.gen), launch)
+
+    def _on_grace_expired(self, msg: GraceExpired) -> None:
+        launch = self._current(msg.gen)
+        if launch is None or launch.exited or launch.child is None:
+            return
+        self._event(
+            "stop_escalated",
+            detail=f"still running after grace_s={self.settings.stop.grace_s:g}; "
+            "SIGKILL to the group",
+        )
+        launch.child.kill_group()
+
+    def _on_child_exited(self, msg: ChildExited) -> None:
+        launch = self._current(msg.gen)
+        if launch is None or launch.exited:
+            return
+        launch.exited = True
+        launch.returncode = msg.returncode
+        launch.cancel_tasks()
+        if self.state != S.STOPPING:
+            self._transition(S.STOPPING, returncode=msg.returncode, detail="the server exited")
+        self._spawn(self._after_exit(launch))
+
+    async def _after_exit(self, launch: Launch) -> None:
+        """Let the last output in (bounded: a grandchild may hold the pipes), then sweep."""
+        child = launch.child
+        assert child is not None
+        await child.wait_pipes_closed(PIPE_DRAIN_S)
+        leftovers = await asyncio.to_thread(childmod.find_leftovers, launch.launch_id, child.pgid)
+        killed = await childmod.kill_leftovers(leftovers)
+        self.post(
+            SweepDone(
+                launch.gen,
+                [{"pid": k.pid, "name": k.name, "cmdline": k.cmdline} for k in killed],
+            )
+        )
+
+    def _on_sweep_done(self, msg: SweepDone) -> None:
+        launch = self._current(msg.gen)
+        if launch is None or launch.child is None:
+            return
+        if msg.killed:
+            self.last_sweep_killed = msg.killed
+            self._event("sweep", killed=msg.killed)
+        requested = launch.next in (Next.STOP, Next.RELAUNCH, Next.SHUTDOWN)
+        verdict = classify_exit(
+            launch.returncode,
+            launch.findings,
+            requested_stop=requested and launch.imposed is None,
+            imposed=launch.imposed,
+        )
+        self._record_exit(launch, verdict)
+        if launch.log is not None:
+            launch.log.close(f"exit: {self.last_exit and self.last_exit['evidence']}")
+        launch.child.close()
+        nxt = launch.next
+        if nxt is None or nxt == Next.RETRY:
+            self._fail(launch, verdict, recorded=True)
+        elif nxt == Next.STOP:
+            self._transition(S.STOPPED, reason=verdict.reason)
+        elif nxt == Next.RELAUNCH:
+            assert launch.next_config is not None
+            self.restarts += 1
+            self._begin_attempt(launch.next_config)
+        elif nxt == Next.SHUTDOWN:
+            self._transition(S.STOPPED, reason="daemon shutdown")
+            self._running = False
+            for reply in self._shutdown_replies:
+                if not reply.done():
+                    reply.set_result(None)
+        self._persist()
+
+    def _record_exit(self, launch: Launch, verdict: Classification) -> None:
+        from gpuwarden.daemon.policy import describe_returncode  # noqa: PLC0415
+
+        code, sig, _ = describe_returncode(launch.returncode) if launch.exited else (None, None, "")
+        self.last_exit = {
+            "code": code,
+            "signal": sig,
+            "reason": verdict.reason,
+            "evidence": launch.redactor.text(verdict.evidence),
+            "at": utc_iso(self.clock.time()),
+            "launch_id": launch.launch_id or None,
+        }
+        self._event("exit", **{k: v for k, v in self.last_exit.items() if k not in ("at",)})
+        if launch.launch_id:
+            self.launch_history.append(
+                {
+                    "launch_id": launch.launch_id,
+                    "config": launch.config.name,
+                    "pid": launch.child.pid if launch.child else None,
+                    "started_at": utc_iso(launch.started_at),
+                    "ready_at": utc_iso(launch.ready_at),
+                    "log_file": str(launch.log.path) if launch.log else None,
+                    "exit": self.last_exit,
+                }
+            )
+            del self.launch_history[:-LAUNCH_HISTORY]
+
+    # -- failures and the restart policy --------------------------------------------------------
+
+    def _fail(self, launch: Launch, verdict: Classification, recorded: bool = False) -> None:
+        if not recorded:
+            self._record_exit(launch, verdict)
+        policy = self.settings.restart
+        self.failures += 1
+        if launch.launch_id:
+            self.last_failed_launch = launch.launch_id
+        if self.failures >= policy.crash_loop_after and not self.crash_loop:
+            self.crash_loop = True
+            self._event("crash_loop", failures=self.failures, reason=verdict.reason)
+        if verdict.reason in NOT_RETRIED:
+            self._transition(S.FAILED, reason=verdict.reason, detail="not retried: fix the config")
+        elif policy.max_failures is not None and self.failures >= policy.max_failures:
+            self._transition(
+                S.FAILED,
+                reason=verdict.reason,
+                detail=f"{self.failures} consecutive failures (max_failures)",
+            )
+        else:
+            delay = backoff_delay(policy, self.failures, self.rng)
+            self.next_retry_at = self.clock.time() + delay
+            self._transition(
+                S.BACKOFF, reason=verdict.reason, delay_s=round(delay, 3), failures=self.failures
+            )
+            self.next_retry_at = self.clock.time() + delay
+            self._backoff_task = self._timer(delay, BackoffElapsed(launch.gen))
+        self._persist()
+
+    def _on_backoff_elapsed(self, msg: BackoffElapsed) -> None:
+        if self._current(msg.gen) is None or self.state != S.BACKOFF:
+            return
+        name = self.intent_config
+        try:
+            cfg = self._resolve(name)
+        except CommandError as exc:
+            self._refuse(name, exc.detail)
+            return
+        self.restarts += 1
+        self._begin_attempt(cfg)
+
+    def _cancel_backoff(self) -> None:
+        if self._backoff_task is not None:
+            self._backoff_task.cancel()
+            self._backoff_task = None
+
+    def _cancel_gpu_wait(self) -> None:
+        if self._gpu_task is not None:
+            self._gpu_task.cancel()
+            self._gpu_task = None
+
+    # -- background ------------------------------------------------------------------------------
+
+    async def _refresh_gpus(self) -> None:
+        with contextlib.suppress(Exception):
+            self.gpu_snapshot = await asyncio.to_thread(self.gpu.snapshot)
+
+    async def _poll_gpus(self) -> None:
+        while True:
+            if self.state != S.WAITING_GPU:  # the wait polls faster on its own
+                with contextlib.suppress(Exception):
+                    self.gpu_snapshot = await asyncio.to_thread(self.gpu.snapshot)
+            await asyncio.sleep(1.0)
+
+    async def _prune_logs(self) -> None:
+        protect = {
+            x
+            for x in (
+                self.launch.launch_id if self.launch else None,
+                self.last_good_launch,
+                self.last_failed_launch,
+            )
+            if x
+        }
+        keep = self.settings.log_retention
+        removed = await asyncio.to_thread(
+            prune_logs, self.settings.log_dir, keep.launches, keep.max_bytes, protect
+        )
+        if removed:
+            self.post_event("logs_pruned", files=len(removed))
+
+    # -- read-only views -------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        launch = self.launch
+        child = launch.child if launch else None
+        running = child is not None and launch is not None and not launch.exited
+        now = self.clock.monotonic()
+        uptime = None
+        if running and launch is not None and launch.ready_mono is not None:
+            uptime = round(now - launch.ready_mono, 3)
+        gpus = []
+        ours = self._our_pids()
+        for g in self.gpu_snapshot.gpus:
+            gpus.append(
+                {
+                    "index": g.index,
+                    "uuid": g.uuid,
+                    "used_mib": g.used_mib,
+                    "total_mib": g.total_mib,
+                    "utilization_pct": g.utilization_pct,
+                    "processes": [
+                        {
+                            "pid": p.pid,
+                            "name": p.name,
+                            "used_mib": p.used_mib,
+                            "ours": p.pid in ours,
+                        }
+                        for p in g.processes
+                    ],
+                }
+            )
+        return {
+            "state": str(self.state),
+            "config": launch.config.name if launch else self.intent_config,
+            "intent": {"config": self.intent_config, "running": self.intent_running},
+            "pid": child.pid if running and child else None,
+            "launch_id": launch.launch_id or None if launch else None,
+            "started_at": utc_iso(launch.started_at) if launch else None,
+            "ready_at": utc_iso(launch.ready_at) if launch else None,
+            "uptime_s": uptime,
+            "restarts": self.restarts,
+            "failures": self.failures,
+            "crash_loop": self.crash_loop,
+            "next_retry_at": utc_iso(self.next_retry_at),
+            "last_exit": self.last_exit,
+            "log_file": str(launch.log.path) if launch and launch.log else None,
+            "last_good_config": self.last_good_config,
+            "rolled_back_from": None,
+            "swap": None,
+            "sweep": None,
+            "last_sweep_killed": self.last_sweep_killed,
+            "gpus": gpus,
+            "gpu_backend": self.gpu.name,
+            "gpu_error": self.gpu_snapshot.error,
+            "server_metrics": self.server_metrics or None,
+        }
+
+    def _our_pids(self) -> set[int]:
+        launch = self.launch
+        if launch is None or launch.child is None or launch.exited:
+            return set()
+        pids = {launch.child.pid}
+        with contextlib.suppress(Exception):
+            import psutil  # noqa: PLC0415
+
+            pids.update(c.pid for c in psutil.Process(launch.child.pid).children(recursive=True))
+        return pids
+
+    def ring_lines(self, n: int) -> list[str]:
+        launch = self.launch
+        if launch is None or launch.log is None:
+            return []
+        return [e.text for e in launch.log.ring.tail(n)]
+
+    @property
+    def log_path(self) -> Path | None:
+        launch = self.launch
+        return launch.log.path if launch and launch.log else None
+
+
+def _error_name(status: int) -> str:
+    return {400: "bad_request", 404: "not_found", 409: "conflict", 422: "invalid_config"}.get(
+        status, "error"
+    )

@@ -1,0 +1,195 @@
+"""Named configs and settings: extends, argv rules, errors with file and line, env overrides."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuwarden.daemon.configs import ConfigError, ConfigNotFound, ConfigStore, build_argv
+from gpuwarden.daemon.settings import SettingsError, load_settings
+
+
+def store(tmp_path: Path, files: dict[str, str]) -> ConfigStore:
+    for name, text in files.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+    return ConfigStore(tmp_path)
+
+
+def test_argv_rules_without_a_shell() -> None:
+    argv = build_argv(
+        ["python", "-m", "sglang.launch_server"],
+        {
+            "model-path": "/m; rm -rf /",
+            "tp-size": 8,
+            "enable-metrics": True,
+            "disable-cuda-graph": False,
+            "api-key": None,
+            "random-seed": 0,
+            "chat-template": "",
+            "cuda-graph-bs": [1, 2, 4, 8],
+            "json-model-override-args": {"rope_scaling": {"factor": 2}},
+        },
+    )
+    assert argv == [
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/m; rm -rf /",
+        "--tp-size",
+        "8",
+        "--enable-metrics",
+        "--random-seed",
+        "0",
+        "--chat-template",
+        "",
+        "--cuda-graph-bs",
+        "1",
+        "2",
+        "4",
+        "8",
+        "--json-model-override-args",
+        '{"rope_scaling":{"factor":2}}',
+    ]
+
+
+def test_extends_merges_mappings_deeply_and_replaces_lists(tmp_path: Path) -> None:
+    s = store(
+        tmp_path,
+        {
+            "base": "args: {model-path: /m, tp-size: 8, cuda-graph-bs: [1, 2]}\n"
+            "env: {CUDA_VISIBLE_DEVICES: '0,1'}\nhealth: {interval_s: 2}\n",
+            "eagle": "extends: base\nargs: {speculative-algorithm: EAGLE3, cuda-graph-bs: [4]}\n"
+            "health: {failures: 5}\n",
+        },
+    )
+    cfg = s.load("eagle")
+    assert cfg.config.args == {
+        "model-path": "/m",
+        "tp-size": 8,
+        "cuda-graph-bs": [4],
+        "speculative-algorithm": "EAGLE3",
+    }
+    assert cfg.config.health.interval_s == 2 and cfg.config.health.failures == 5
+    assert cfg.gpus == ["0", "1"]
+    assert cfg.health_url == "http://127.0.0.1:30000/health"
+    assert [p.name for p in cfg.files] == ["eagle.yaml", "base.yaml"]
+    assert s.load("base").config_hash != cfg.config_hash
+
+
+def test_extends_cycle_and_unknown_parent_are_clear_errors(tmp_path: Path) -> None:
+    s = store(
+        tmp_path, {"a": "extends: b\n", "b": "extends: a\n", "c": "args: {}\nextends: nope\n"}
+    )
+    with pytest.raises(ConfigError, match="extends cycle: a → b → a"):
+        s.load("a")
+    with pytest.raises(ConfigError, match=r"c\.yaml:2: extends: unknown config 'nope'"):
+        s.load("c")
+
+
+def test_errors_name_file_line_and_reason(tmp_path: Path) -> None:
+    s = store(
+        tmp_path,
+        {
+            "badyaml": "args:\n  tp-size: [1, 2\n",
+            "badtype": "command: [python]\nhealth:\n  interval_s: soon\n",
+            "unknown": "args: {}\nheath: {}\n",
+            "notmap": "- a\n- b\n",
+        },
+    )
+    with pytest.raises(ConfigError, match=r"badyaml\.yaml:\d+: invalid YAML"):
+        s.load("badyaml")
+    with pytest.raises(
+        ConfigError, match=r"badtype\.yaml:3: health\.interval_s: Input should be a valid number"
+    ):
+        s.load("badtype")
+    with pytest.raises(
+        ConfigError, match=r"unknown\.yaml:2: heath: Extra inputs are not permitted"
+    ):
+        s.load("unknown")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        s.load("notmap")
+
+
+def test_names_are_validated_and_cannot_leave_the_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (tmp_path / "outside.yaml").write_text("args: {}\n")
+    (folder / "link.yaml").symlink_to(tmp_path / "outside.yaml")
+    s = ConfigStore(folder)
+    for bad in ("../../etc/passwd", "a/b", ".hidden", "", "x" * 65):
+        with pytest.raises(ConfigError) as exc:
+            s.load(bad)
+        assert exc.value.status == 400
+    with pytest.raises(ConfigError, match="leaves") as exc2:
+        s.load("link")
+    assert exc2.value.status == 400
+    with pytest.raises(ConfigNotFound):
+        s.load("absent")
+
+
+def test_secrets_are_masked_in_the_view(tmp_path: Path) -> None:
+    s = store(
+        tmp_path,
+        {
+            "k": "args: {api-key: sk-123456, model-path: /m}\n"
+            "env: {HF_TOKEN: hf_abcdef, CUDA_VISIBLE_DEVICES: '0'}\n"
+        },
+    )
+    view = s.load("k").view()
+    text = yaml.safe_dump(view)
+    assert "sk-123456" not in text and "hf_abcdef" not in text
+    assert view["config"]["args"]["api-key"] == "***"
+    assert view["config"]["env"]["HF_TOKEN"] == "***"
+    assert "--api-key" in view["argv"] and "***" in view["argv"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.dictionaries(
+        st.text(min_size=1, max_size=10),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.text(max_size=10),
+            lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+            max_leaves=8,
+        ),
+        max_size=6,
+    )
+)
+def test_config_loader_never_raises_anything_but_config_error(data: dict) -> None:  # type: ignore[type-arg]
+    import tempfile  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "h.yaml").write_text(yaml.safe_dump(data))
+        with contextlib.suppress(ConfigError):
+            ConfigStore(Path(tmp)).load("h")
+
+
+def test_settings_env_overrides_and_relative_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text("configs_dir: ./cfg\nrestart: {initial_delay_s: 3}\n")
+    monkeypatch.setenv("GPUWARDEN_RESTART__INITIAL_DELAY_S", "0")
+    monkeypatch.setenv("GPUWARDEN_LISTEN", "127.0.0.1:9999")
+    s = load_settings(path)
+    assert s.configs_dir == tmp_path / "cfg"
+    assert s.state_dir == tmp_path / "state"
+    assert s.restart.initial_delay_s == 0
+    assert s.restart.multiplier == 2
+    assert s.listen == "127.0.0.1:9999"
+    assert load_settings(path, listen="127.0.0.1:0").listen_host_port == ("127.0.0.1", 0)
+
+
+def test_bad_settings_are_clear_errors(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text("restart: {jitter: 2}\nlisten: nowhere\n")
+    with pytest.raises(SettingsError, match=r"s\.yaml: .*restart\.jitter"):
+        load_settings(path)
+    with pytest.raises(SettingsError, match="no such file"):
+        load_settings(tmp_path / "absent.yaml")

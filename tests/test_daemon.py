@@ -1,0 +1,201 @@
+"""The daemon as a real process supervising the real stand-in."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import psutil
+
+from .conftest import Proc, alive, group_members, wait_until
+from .daemon_harness import standin_config, start_daemon
+
+
+def test_boot_starts_the_default_config_and_status_shows_it(
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
+    ready = d.wait_state("ready")
+    assert ready["via"] in ("ready line",) or ready["via"].startswith("GET ")
+    st = d.status()
+    assert st["state"] == "ready"
+    assert st["config"] == "base"
+    assert st["pid"] and alive(st["pid"])
+    assert st["launch_id"].count("-") == 1 and st["launch_id"][8] == "T"
+    log_file = Path(st["log_file"])
+    assert log_file.parent == tmp_path / "logs" / "base"
+    head = log_file.read_text().splitlines()[:4]
+    assert head[0].startswith("# gpuwarden launch ")
+    assert head[2].startswith("# argv: ")
+    # GPU snapshots are samples (refreshed at ready, then every second).
+    wait_until(lambda: d.status()["gpus"][0]["processes"], 5, "the GPU sample to show the holder")
+    assert d.status()["gpus"][0]["processes"][0]["ours"] is True
+    assert d.http.get("/healthz").json() == {"ok": True}
+
+
+def test_crash_during_load_backs_off_and_relaunches(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    cfg = standin_config("--standin-crash-on-load=cuda_oom")
+    d = start_daemon(procs, tmp_path, fake_gpu, {"oom": cfg}, default="oom")
+    exit1 = d.wait_event("server.exit", reason="cuda_oom")
+    assert "CUDA out of memory" in exit1["evidence"]
+    backoff = d.wait_state("backoff", reason="cuda_oom")
+    assert backoff["delay_s"] == 0.05
+    second = d.wait_event("server.launch", after=backoff["_index"])
+    assert second["launch_id"] != exit1["launch_id"]
+    d.wait_event("server.crash_loop", timeout=30)  # the third failure in a row
+
+
+def test_unknown_flag_fails_at_once_with_the_argparse_line(
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"bad": standin_config("--speculative-eagle-top-k=4")},
+        default="bad",
+    )
+    failed = d.wait_state("failed", reason="config_error")
+    st = d.status()
+    assert st["state"] == "failed"
+    assert st["last_exit"]["reason"] == "config_error"
+    assert st["last_exit"]["code"] == 2
+    assert st["last_exit"]["evidence"].endswith(
+        "error: unrecognized arguments: --speculative-eagle-top-k 4"
+    )
+    assert not [r for r in d.records()[failed["_index"] :] if r.get("event") == "server.launch"]
+
+
+def test_hang_goes_unhealthy_and_is_restarted(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    cfg = standin_config(
+        "--standin-hang-after=0",
+        scale=0.02,
+        health={"interval_s": 0.1, "timeout_s": 0.3, "failures": 2},
+    )
+    d = start_daemon(procs, tmp_path, fake_gpu, {"hang": cfg}, default="hang")
+    d.wait_state("ready")
+    d.wait_state("unhealthy")
+    ex = d.wait_event("server.exit", reason="liveness_failed")
+    assert "2 consecutive failed probes" in ex["evidence"]
+    d.wait_state("backoff", reason="liveness_failed")
+    d.wait_event("server.launch", after=ex["_index"])
+
+
+def test_term_ignoring_server_is_killed_after_grace(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"stubborn": standin_config("--standin-ignore-sigterm")},
+        default="stubborn",
+        stop={"grace_s": 0.5},
+    )
+    d.wait_state("ready")
+    pid = d.status()["pid"]
+    assert d.http.post("/stop").status_code == 202
+    d.wait_event("server.stop_escalated")
+    ex = d.wait_event("server.exit")
+    assert ex["reason"] == "requested_stop" and ex["signal"] == signal.SIGKILL
+    d.wait_state("stopped")
+    assert not alive(pid)
+    assert not group_members(pid)
+
+
+def test_escaping_grandchild_is_found_and_killed_by_the_sweep(
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"esc": standin_config("--standin-escape-grandchild=1000", "--standin-crash-after=0.2")},
+        default="esc",
+    )
+    d.wait_state("ready")
+    log_file = Path(d.status()["log_file"])
+    wait_until(lambda: "escapee pid=" in log_file.read_text(), 5, "the escapee line in the log")
+    escapee = int(log_file.read_text().split("escapee pid=")[1].split()[0])
+    assert alive(escapee)
+    # The exit is seen while the escapee still holds the server's stderr pipe ...
+    ex = d.wait_event("server.exit", reason="crash")
+    sweep = d.wait_event("server.sweep", after=0)
+    # ... and the sweep that follows finds it (setsid, double-forked, reparented) and kills it.
+    assert escapee in [k["pid"] for k in sweep["killed"]]
+    assert sweep["_index"] > ex["_index"] - 5
+    wait_until(lambda: not alive(escapee), 5, "the escapee to die")
+    assert d.status()["last_sweep_killed"]
+
+
+def test_daemon_sigterm_leaves_nothing_and_exits_0(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(
+        procs, tmp_path, fake_gpu, {"base": standin_config("--tp-size=2")}, default="base"
+    )
+    d.wait_state("ready")
+    server = d.status()["pid"]
+    tree = [server, *(c.pid for c in psutil.Process(server).children(recursive=True))]
+    d.proc.signal(signal.SIGTERM)
+    assert d.proc.wait(30) == 0
+    assert not [p for p in tree if alive(p)]
+    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert state["intent"] == {"config": "base", "running": True}  # kept for the next start
+    assert state["current_launch"] is None
+
+
+def test_daemon_sigkill_then_restart_stops_the_old_group_and_resumes(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:
+    d = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
+    d.wait_state("ready")
+    old = d.status()["pid"]
+    d.proc.signal(signal.SIGKILL)
+    d.proc.wait(10)
+    assert alive(old)  # the server outlives a killed daemon ...
+    # ... and the next daemon stops it before launching anything.
+    d2 = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default=None)
+    found = d2.wait_event("server.previous_server_found")
+    assert found["pid"] == old
+    stopped = d2.wait_event("server.previous_server_stopped")
+    launch = d2.wait_event("server.launch")
+    assert launch["_index"] > stopped["_index"]
+    assert not alive(old)
+    d2.wait_state("ready")
+    assert d2.status()["config"] == "base"  # the saved intent won (default_config is unset)
+
+
+def test_corrupt_state_file_is_moved_aside(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "state.json").write_text("{not json")
+    d = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
+    note = d.wait_event("server.state_file_corrupt")
+    assert "moved to state.json.corrupt-" in note["detail"]
+    d.wait_state("ready")
+    assert list((tmp_path / "state").glob("state.json.corrupt-*"))
+
+
+def test_busy_port_for_the_daemon_exits_1_naming_it(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    import socket  # noqa: PLC0415
+
+    from .conftest import PY  # noqa: PLC0415
+    from .daemon_harness import write_setup  # noqa: PLC0415
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        path = write_setup(tmp_path, {}, None)
+        proc = Proc(
+            [
+                PY,
+                "-m",
+                "gpuwarden.daemon.cli",
+                "serve",
+                "--settings",
+                str(path),
+                "--listen",
+                f"127.0.0.1:{port}",
+            ]
+        )
+        procs.append(proc)
+        assert proc.wait(20) == 1
+        assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in proc.text("stderr")

@@ -1,0 +1,112 @@
+"""The log pipeline: file first, lines aligned per stream, ring caps, a parser that never raises."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuwarden.daemon.serverlog import (
+    LaunchLog,
+    LogUnwritable,
+    Ring,
+    parse_line,
+    prune_logs,
+    read_tail,
+)
+
+DECODE = {
+    "0.4.10": "[2025-01-01 00:00:00 TP0] Decode batch. #running-req: 1, #token: 86, token usage: 0.00, "
+    "accept len: 3.12, cuda graph: True, gen throughput (token/s): 30.41, #queue-req: 0, ",
+    "0.5.5": "[2025-01-01 00:00:00] Decode batch, #running-req: 2, #token: 86, token usage: 0.01, "
+    "accept len: 3.12, accept rate: 0.52, cuda graph: True, gen throughput (token/s): 30.41, "
+    "#queue-req: 3, ",
+    "0.5.23": "[2025-01-01 00:00:00.123 DP1 TP4] Decode batch, #running-req: 1, #token: 86, "
+    "token usage: 0.00, accept len: 3.12, accept rate: 0.52, cap len: 4.00, cuda graph: True, "
+    "gen throughput (token/s): 30.41, #queue-req: 0, fwd occupancy: 88%",
+    "hybrid": "[2025-01-01 00:00:00] Decode batch, #running-req: 1, #full token: 5, full token usage: 0.25, "
+    "#swa token: 3, swa token usage: 0.10, cuda graph: True, gen throughput (token/s): 30.41, "
+    "#queue-req: 0",
+}
+
+
+@pytest.mark.parametrize("variant", sorted(DECODE))
+def test_decode_line_variants(variant: str) -> None:
+    values = parse_line(DECODE[variant]).decode
+    assert values is not None
+    assert values["gen_throughput_tok_s"] == 30.41
+    if variant != "hybrid":
+        assert values["accept_len"] == 3.12
+    else:
+        assert values["token_usage"] == 0.25 and "accept_len" not in values
+
+
+def test_findings() -> None:
+    cases = {
+        "sglang serve: error: unrecognized arguments: --bogus": "config_error",
+        "[2025-01-01 00:00:00 TP3] Watchdog timeout (self.watchdog_timeout=300)": "watchdog_timeout",
+        "[2025-01-01 00:00:00] ERROR:    [Errno 98] error while attempting to bind on address "
+        "('127.0.0.1', 30000): address already in use": "port_in_use",
+        "[rank3]:[E1201 ProcessGroupNCCL.cpp:616] Watchdog caught collective operation timeout: "
+        "WorkNCCL(SeqNum=1) ran for 600049 milliseconds before timing out.": "nccl_error",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB": "cuda_oom",
+        "Received sigquit from a child proces. It usually means the child failed.": "sigquit",
+    }
+    for line, kind in cases.items():
+        assert kind in [f.kind for f in parse_line(line).findings], line
+    assert parse_line("[2025-01-01 00:00:00] The server is fired up and ready to roll!").ready
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=3000))
+def test_arbitrary_bytes_never_raise(data: bytes) -> None:
+    parse_line(data.decode("utf-8", errors="replace"))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([1, 2]), st.binary(max_size=300)), max_size=30))
+def test_streams_interleave_only_at_line_boundaries(chunks: list[tuple[int, bytes]]) -> None:
+    import tempfile  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp:
+        log = LaunchLog(Path(tmp) / "x" / "a.log", ["h"])
+        for stream, chunk in chunks:
+            log.feed(chunk, stream)
+        log.close()
+        body = (Path(tmp) / "x" / "a.log").read_bytes().split(b"\n", 1)[1]
+        for stream in (1, 2):
+            data = b"".join(c for s, c in chunks if s == stream)
+            for line in data.split(b"\n")[:-1]:
+                if len(line) < 1024:
+                    assert line + b"\n" in b"\n" + body or line == b""
+
+
+def test_ring_caps_entries_and_bytes() -> None:
+    ring = Ring(max_lines=10, max_bytes=100)
+    for i in range(50):
+        ring.add(f"line {i:03d}", 0.0)
+    assert len(ring) == 10 and ring.tail(1)[0].text == "line 049"
+    ring.add("x" * 20000, 0.0)
+    assert len(ring.tail(1)[0].text) < 9000
+    assert ring.nbytes <= 100 or len(ring) == 1
+
+
+def test_unwritable_log_raises(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(LogUnwritable):
+        LaunchLog(tmp_path / "file" / "x.log", [])
+
+
+def test_retention_keeps_the_protected_launches(tmp_path: Path) -> None:
+    for i in range(6):
+        p = tmp_path / "cfg" / f"20260101T0000{i:02d}-00000{i}.log"
+        p.parent.mkdir(exist_ok=True)
+        p.write_text("x" * 100)
+    protect = {"20260101T000000-000000"}
+    removed = prune_logs(tmp_path, keep_launches=3, max_bytes=10**9, protect=protect)
+    left = sorted(p.stem for p in (tmp_path / "cfg").iterdir())
+    assert len(removed) == 3
+    assert left == ["20260101T000000-000000", "20260101T000004-000004", "20260101T000005-000005"]
+    assert read_tail(tmp_path / "cfg" / "20260101T000005-000005.log", 5) == ["x" * 100]

@@ -1,0 +1,437 @@
+"""The supervisor in-process (real children, real stand-in); a fake clock where time is the subject."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import random
+import signal
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpuwarden.daemon.gpu import FakeGpuBackend
+from gpuwarden.daemon.health import ProbeResult
+from gpuwarden.daemon.policy import backoff_delay
+from gpuwarden.daemon.serverlog import RING_BYTES, RING_LINES
+from gpuwarden.daemon.settings import Settings
+from gpuwarden.daemon.states import ServerState as S
+from gpuwarden.daemon.supervisor import Supervisor
+
+from .conftest import Proc, alive
+from .daemon_harness import FAST_RESTART, standin_config
+
+
+class FakeClock:
+    """Monotonic and wall time that move only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._n = 0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return 1_800_000_000.0 + self.now
+
+    async def sleep(self, seconds: float) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._n += 1
+        heapq.heappush(self._sleepers, (self.now + max(0.0, seconds), self._n, fut))
+        await fut
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        while self._sleepers and self._sleepers[0][0] <= self.now:
+            _, _, fut = heapq.heappop(self._sleepers)
+            if not fut.done():
+                fut.set_result(None)
+
+
+class NeverProbe:
+    """A prober that never answers 200: readiness comes from the ready line alone."""
+
+    async def probe(self, url: str, timeout_s: float) -> ProbeResult:
+        return ProbeResult(False, "not probed")
+
+    async def close(self) -> None:
+        pass
+
+
+def write_configs(root: Path, configs: dict[str, dict[str, Any]]) -> None:
+    (root / "configs").mkdir(parents=True, exist_ok=True)
+    for name, cfg in configs.items():
+        (root / "configs" / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def make_settings(root: Path, **over: Any) -> Settings:
+    data: dict[str, Any] = {
+        "configs_dir": str(root / "configs"),
+        "state_dir": str(root / "state"),
+        "log_dir": str(root / "logs"),
+        "restart": dict(FAST_RESTART),
+        "stop": {"grace_s": 3},
+        "gpu": {"backend": "fake", "poll_interval_s": 0.02, "release_timeout_s": 3},
+    }
+    for key, value in over.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return Settings(**data)
+
+
+@asynccontextmanager
+async def running(
+    root: Path, fake_gpu: Path, configs: dict[str, dict[str, Any]], **kw: Any
+) -> AsyncIterator[Supervisor]:
+    write_configs(root, configs)
+    settings = make_settings(root, **kw.pop("settings", {}))
+    sup = Supervisor(settings, FakeGpuBackend(fake_gpu), **kw)
+    task = asyncio.create_task(sup.run())
+    try:
+        yield sup
+    finally:
+        await asyncio.wait_for(sup.shutdown(), 30)
+        await asyncio.wait_for(task, 10)
+
+
+def events(sup: Supervisor, kind: str) -> list[dict[str, Any]]:
+    return sup.events.recent(1000, kind)
+
+
+async def wait_event(
+    sup: Supervisor, kind: str, n: int = 1, timeout: float = 20, **match: Any
+) -> dict[str, Any]:
+    def found(s: Supervisor) -> bool:
+        return (
+            len([e for e in events(s, kind) if all(e.get(k) == v for k, v in match.items())]) >= n
+        )
+
+    await sup.wait_for(found, timeout)
+    return [e for e in events(sup, kind) if all(e.get(k) == v for k, v in match.items())][n - 1]
+
+
+def line_seen(sup: Supervisor, text: str) -> asyncio.Event:
+    """An event set when the server prints a line containing `text`."""
+    event = asyncio.Event()
+
+    def listener(line: str) -> None:
+        if text in line:
+            event.set()
+
+    sup.line_listeners.add(listener)
+    return event
+
+
+# -- time as the subject: the schedule and the reset -----------------------------------------------
+
+
+async def test_crash_after_ready_backs_off_with_growing_delays_then_resets_after_stable_uptime(
+    tmp_path: Path, fake_gpu: Path
+) -> None:
+    clock = FakeClock()
+    policy = {
+        "initial_delay_s": 10,
+        "max_delay_s": 300,
+        "multiplier": 2,
+        "jitter": 0.2,
+        "reset_after_s": 600,
+        "crash_loop_after": 3,
+    }
+    flaky = standin_config("--standin-crash-after=0.05")
+    async with running(
+        tmp_path,
+        fake_gpu,
+        {"flaky": flaky},
+        clock=clock,
+        rng=random.Random(7),
+        prober=NeverProbe(),
+        settings={"restart": policy},
+    ) as sup:
+        await sup.start("flaky")
+        expected = random.Random(7)
+        settings = sup.settings.restart
+        for n in (1, 2, 3):
+            await sup.wait_for_state(S.BACKOFF, timeout=20)
+            delay = backoff_delay(settings, n, expected)
+            assert sup.next_retry_at == pytest.approx(clock.time() + delay)
+            assert sup.failures == n
+            assert 10 * 2 ** (n - 1) * 0.8 <= delay <= 10 * 2 ** (n - 1) * 1.2
+            assert sup.crash_loop is (n >= 3)
+            clock.advance(delay - 0.01)
+            await asyncio.sleep(0.05)
+            assert sup.state == S.BACKOFF  # not a moment early
+            stable = standin_config()
+            stable["args"]["port"] = flaky["args"]["port"]
+            if n == 3:  # the operator fixes the config; the next attempt reads it
+                write_configs(tmp_path, {"flaky": stable})
+            clock.advance(0.02)
+            await sup.wait_for_state(S.STARTING, S.WAITING_GPU, timeout=5)
+        await sup.wait_for_state(S.READY, timeout=20)
+        assert sup.failures == 3 and sup.restarts == 3
+        clock.advance(599)
+        await asyncio.sleep(0.05)
+        assert sup.failures == 3
+        clock.advance(1.5)
+        await sup.wait_for(lambda s: s.failures == 0, 5)
+        assert sup.crash_loop is False
+        assert events(sup, "failures_reset")
+
+
+async def test_max_failures_ends_in_failed(tmp_path: Path, fake_gpu: Path) -> None:
+    cfg = standin_config("--standin-crash-on-load=cuda_oom")
+    async with running(
+        tmp_path,
+        fake_gpu,
+        {"oom": cfg},
+        settings={"restart": {"max_failures": 2, "initial_delay_s": 0}},
+    ) as sup:
+        await sup.start("oom")
+        await sup.wait_for_state(S.FAILED, timeout=30)
+        assert sup.failures == 2
+        assert sup.last_exit is not None and sup.last_exit["reason"] == "cuda_oom"
+
+
+# -- every reason, from the stand-in's real output --------------------------------------------------
+
+REAL_OUTPUT_CASES: list[tuple[str, list[str], dict[str, Any], str, str]] = [
+    (
+        "cuda_oom",
+        ["--standin-crash-on-load=cuda_oom"],
+        {},
+        "cuda_oom",
+        "torch.OutOfMemoryError: CUDA out of memory",
+    ),
+    (
+        "not_enough_memory",
+        ["--standin-crash-on-load=not_enough_memory"],
+        {},
+        "cuda_oom",
+        "Not enough memory. Please try to increase --mem-fraction-static",
+    ),
+    (
+        "capture",
+        ["--standin-crash-on-load=capture"],
+        {},
+        "cuda_oom",
+        "Capture cuda graph failed: CUDA error: out of memory",
+    ),
+    ("nccl", ["--standin-crash-on-load=nccl_init"], {}, "nccl_error", "NCCL error in:"),
+    (
+        "watchdog",
+        ["--standin-watchdog-after=0.05"],
+        {},
+        "watchdog_timeout",
+        "Scheduler watchdog timeout (self.watchdog_timeout=300, self.soft=False)",
+    ),
+    (
+        "crash",
+        ["--standin-crash-after=0.05"],
+        {},
+        "crash",
+        "RuntimeError: CUDA error: an illegal memory access was encountered",
+    ),
+    (
+        "silent",
+        ["--standin-silent-death-after=0.05"],
+        {},
+        "crash",
+        "crashed with exit code -6. Triggering SIGQUIT for cleanup...",
+    ),
+    (
+        "argparse",
+        ["--cuda-graph-max-bs=8"],
+        {},
+        "config_error",
+        "error: ambiguous option: --cuda-graph-max-bs could match",
+    ),
+    (
+        "exit1",
+        ["--speculative-algorithm=MEDUSA"],
+        {},
+        "crash",
+        "ValueError: Unknown speculative algorithm name: MEDUSA",
+    ),
+    (
+        "startup_timeout",
+        [],
+        {"health": {"startup_timeout_s": 0.3}, "scale": 1.0},
+        "startup_timeout",
+        "not ready within startup_timeout_s=0.3",
+    ),
+    (
+        "exec_failed",
+        [],
+        {"command": ["/nonexistent/python3"]},
+        "exec_failed",
+        "cannot execute '/nonexistent/python3': No such file or directory",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "flags", "fields", "reason", "evidence"),
+    REAL_OUTPUT_CASES,
+    ids=[c[0] for c in REAL_OUTPUT_CASES],
+)
+async def test_each_reason_is_recognised_from_real_output(
+    tmp_path: Path,
+    fake_gpu: Path,
+    case: str,
+    flags: list[str],
+    fields: dict[str, Any],
+    reason: str,
+    evidence: str,
+) -> None:
+    fields = dict(fields)
+    scale = fields.pop("scale", 0.01)
+    cfg = standin_config(*flags, scale=scale, **fields)
+    async with running(tmp_path, fake_gpu, {case: cfg}) as sup:
+        await sup.start(case)
+        exit_event = await wait_event(sup, "exit", timeout=30)
+        assert exit_event["reason"] == reason, exit_event
+        assert evidence in exit_event["evidence"]
+        assert sup.last_exit is not None and sup.last_exit["reason"] == reason
+
+
+async def test_port_in_use_is_recognised(tmp_path: Path, fake_gpu: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cfg = standin_config(port=busy.getsockname()[1])
+        async with running(tmp_path, fake_gpu, {"p": cfg}) as sup:
+            await sup.start("p")
+            ex = await wait_event(sup, "exit")
+            assert ex["reason"] == "port_in_use"
+            assert "address already in use" in ex["evidence"]
+            assert ex["code"] == 3
+
+
+async def test_external_sigkill_is_a_signal_exit(tmp_path: Path, fake_gpu: Path) -> None:
+    async with running(tmp_path, fake_gpu, {"k": standin_config()}) as sup:
+        await sup.start("k")
+        await sup.wait_for_state(S.READY, timeout=20)
+        assert sup.launch is not None and sup.launch.child is not None
+        import os  # noqa: PLC0415
+
+        os.kill(sup.launch.child.pid, signal.SIGKILL)
+        ex = await wait_event(sup, "exit")
+        assert ex["reason"] == "signal"
+        assert ex["evidence"] == "killed by SIGKILL (possible OOM kill)"
+        assert ex["signal"] == 9
+
+
+async def test_log_dir_through_a_regular_file_is_log_unwritable(
+    tmp_path: Path, fake_gpu: Path
+) -> None:
+    (tmp_path / "notadir").write_text("a regular file")
+    async with running(
+        tmp_path,
+        fake_gpu,
+        {"c": standin_config()},
+        settings={"log_dir": str(tmp_path / "notadir" / "logs")},
+    ) as sup:
+        await sup.start("c")
+        ex = await wait_event(sup, "exit")
+        assert ex["reason"] == "log_unwritable"
+        assert "cannot create the log" in ex["evidence"]
+        assert sup.state in (S.BACKOFF, S.WAITING_GPU, S.FAILED)
+        assert not events(sup, "launch")  # nothing was started without a log
+
+
+async def test_foreign_gpu_holder_is_gpu_busy_naming_it(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    from .test_fakegpu import start_holder  # noqa: PLC0415
+
+    holder = start_holder(procs, fake_gpu, 0, 50000)
+    async with running(
+        tmp_path, fake_gpu, {"c": standin_config()}, settings={"gpu": {"release_timeout_s": 0.3}}
+    ) as sup:
+        await sup.start("c")
+        ex = await wait_event(sup, "exit")
+        assert ex["reason"] == "gpu_busy"
+        assert f"pid {holder.pid}" in ex["evidence"]
+        assert alive(holder.pid)  # a foreign holder is never killed
+
+
+async def test_launch_waits_for_gpu_memory_then_starts(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    from .test_fakegpu import start_holder  # noqa: PLC0415
+
+    holder = start_holder(procs, fake_gpu, 0, 50000)
+    async with running(
+        tmp_path, fake_gpu, {"c": standin_config()}, settings={"gpu": {"release_timeout_s": 30}}
+    ) as sup:
+        await sup.start("c")
+        await wait_event(sup, "gpu_wait")
+        assert sup.state == S.WAITING_GPU
+        holder.signal(signal.SIGTERM)
+        await sup.wait_for_state(S.STARTING, S.READY, timeout=10)
+
+
+async def test_stop_during_backoff_goes_straight_to_stopped(tmp_path: Path, fake_gpu: Path) -> None:
+    cfg = standin_config("--standin-crash-on-load=cuda_oom")
+    async with running(
+        tmp_path, fake_gpu, {"c": cfg}, settings={"restart": {"initial_delay_s": 60}}
+    ) as sup:
+        await sup.start("c")
+        await sup.wait_for_state(S.BACKOFF, timeout=20)
+        await sup.stop()
+        assert sup.state == S.STOPPED
+        transitions = [(e["from"], e["to"]) for e in events(sup, "state")]
+        assert transitions[-1] == ("backoff", "stopped")
+
+
+async def test_stop_during_start_cancels_it(tmp_path: Path, fake_gpu: Path) -> None:
+    async with running(tmp_path, fake_gpu, {"slow": standin_config(scale=1.0)}) as sup:
+        await sup.start("slow")
+        await sup.wait_for_state(S.STARTING, timeout=10)
+        await sup.stop()
+        await sup.wait_for_state(S.STOPPED, timeout=20)
+        ex = events(sup, "exit")[-1]
+        assert ex["reason"] == "requested_stop"
+        assert ex["signal"] == signal.SIGTERM  # no handler while loading: died at once
+
+
+async def test_flood_of_a_million_lines_reaches_the_file_with_the_ring_capped(
+    tmp_path: Path, fake_gpu: Path
+) -> None:
+    # No liveness probes here: each one makes the stand-in's scheduler print a Prefill line into
+    # the same pipe as the flood, and two writers can split each other's lines (SGLang too).
+    cfg = standin_config("--standin-flood=1000000", health={"interval_s": 600})
+    async with running(tmp_path, fake_gpu, {"f": cfg}) as sup:
+        done = line_seen(sup, "flood done")
+        await sup.start("f")
+        await sup.wait_for_state(S.READY, timeout=20)
+        assert sup.launch is not None and sup.launch.log is not None
+        log = sup.launch.log
+
+        await asyncio.wait_for(done.wait(), 120)
+        await sup.stop()
+        await sup.wait_for_state(S.STOPPED, timeout=20)
+        assert len(log.ring) <= RING_LINES
+        assert log.ring.nbytes <= RING_BYTES
+        with log.path.open("rb") as f:
+            count = sum(1 for line in f if b"] flood line " in line)
+        assert count == 1_000_000
+
+
+async def test_arbitrary_output_never_breaks_supervision(tmp_path: Path, fake_gpu: Path) -> None:
+    cfg = standin_config("--standin-invalid-utf8", "--standin-long-line=1048576")
+    async with running(tmp_path, fake_gpu, {"b": cfg}) as sup:
+        seen = line_seen(sup, "long line")
+        await sup.start("b")
+        await sup.wait_for_state(S.READY, timeout=20)
+        await asyncio.wait_for(seen.wait(), 20)
+        lines = sup.ring_lines(50)
+        assert any("invalid bytes: \ufffd\ufffd" in line for line in lines)
+        long_line = next(line for line in lines if "long line" in line)
+        assert long_line.endswith("[truncated; the log file has the whole line]")
+        assert sup.state == S.READY
