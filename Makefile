@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean standin-table
+.PHONY: demo test lint typecheck unit bench clean standin-table setup
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,3 +40,8 @@ standin-table: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+
+# Benchmarks print figures; they are not part of `make test`.
+bench: setup
+	mkdir -p bench/results
+	$(BIN)/python bench/core.py --json bench/results/core.json | tee bench/results/core.md

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import os
 import signal
 import time
@@ -25,7 +26,10 @@ from pathlib import Path
 import psutil
 
 LAUNCH_ENV = "GPUWARDEN_LAUNCH_ID"
+F_SETPIPE_SZ = 1031
+PIPE_SIZE = 1 << 20
 PR_SET_CHILD_SUBREAPER = 36
+PR_GET_CHILD_SUBREAPER = 37
 
 # Pids whose exit asyncio's child watcher reports: the reaper must not take them.
 _OWNED: set[int] = set()
@@ -185,6 +189,12 @@ async def spawn(
     )
     assert protocol is not None
     pid = transport.get_pid()
+    for fd in (1, 2):  # room for bursts: the child blocks less while we process a chunk
+        pipe = transport.get_pipe_transport(fd)
+        if pipe is not None:
+            # The pipe may already be closed: a child that exits at once.
+            with contextlib.suppress(OSError, AttributeError, ValueError):
+                fcntl.fcntl(pipe.get_extra_info("pipe").fileno(), F_SETPIPE_SZ, PIPE_SIZE)
     _OWNED.add(pid)
     return ChildProcess(
         pid=pid,
@@ -212,6 +222,43 @@ def _environ_has(pid: int, marker: bytes) -> bool:
         with open(f"/proc/{pid}/environ", "rb") as f:
             return marker in f.read()
     except OSError:
+        return False
+
+
+def _direct_children() -> set[int]:
+    """This process's children, from /proc/self/task/*/children (no full /proc scan)."""
+    kids: set[int] = set()
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                kids.update(int(p) for p in f.read().split())
+    except OSError:
+        return {-1}  # unknown: make the caller do the full scan
+    return kids
+
+
+def nothing_left(pgid: int | None) -> bool:
+    """Fast path: the launch's group is empty and we have no child that is not a helper.
+
+    Only meaningful in a subreaper, where every orphan of the server becomes our child."""
+    if pgid is not None:
+        try:
+            os.killpg(pgid, 0)
+            return False
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            return False
+    return not (_direct_children() - _OWNED)
+
+
+def is_subreaper() -> bool:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        flag = ctypes.c_int(0)
+        libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0)
+        return bool(flag.value)
+    except (OSError, AttributeError):
         return False
 
 

@@ -214,11 +214,23 @@ def _line_of(path: Path, text: str, loc: tuple[Any, ...]) -> int | None:
     return line
 
 
+def _stamp(path: Path) -> tuple[int, int, int]:
+    try:
+        st = path.stat()
+    except OSError:
+        return (-1, -1, -1)
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
 class ConfigStore:
     """Reads named configs from one folder."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        # name -> (stamps of every file in its extends chain, the resolved config)
+        self._cache: dict[
+            str, tuple[tuple[tuple[Path, tuple[int, int, int]], ...], ResolvedConfig]
+        ] = {}
 
     def names(self) -> list[str]:
         try:
@@ -265,6 +277,15 @@ class ConfigStore:
         return path, text, data
 
     def load(self, name: str) -> ResolvedConfig:
+        """Resolve a config; re-read only when a file of its chain changed."""
+        cached = self._cache.get(name)
+        if cached is not None and all(_stamp(p) == st for p, st in cached[0]):
+            return cached[1]
+        resolved = self._load(name)
+        self._cache[name] = (tuple((p, _stamp(p)) for p in resolved.files), resolved)
+        return resolved
+
+    def _load(self, name: str) -> ResolvedConfig:
         chain: list[str] = []
         layers: list[tuple[Path, str, dict[str, Any]]] = []
         current: str | None = name

@@ -39,6 +39,7 @@ class GpuSnapshot:
 
 class GpuBackend(Protocol):
     name: str
+    blocking: bool  # True: call it off the event loop
 
     def snapshot(self) -> GpuSnapshot: ...
 
@@ -49,6 +50,7 @@ class NoGpuBackend:
     """No GPU information: every launch proceeds at once."""
 
     name = "none"
+    blocking = False
 
     def snapshot(self) -> GpuSnapshot:
         return GpuSnapshot()
@@ -61,6 +63,7 @@ class FakeGpuBackend:
     """The fake GPU folder (`GPUWARDEN_FAKE_GPU_DIR`), read with the format module's rules."""
 
     name = "fake"
+    blocking = False  # a few small local files
 
     def __init__(self, root: Path) -> None:
         self.root = root

@@ -17,6 +17,7 @@ from gpuwarden.daemon.gpu import GpuInfo, GpuProcess, GpuSnapshot
 
 class NvmlBackend:
     name = "nvml"
+    blocking = True
 
     def __init__(self) -> None:
         import pynvml  # noqa: PLC0415 - optional at import time: only GPU hosts need it

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import sys
@@ -40,6 +41,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--settings", type=Path, default=None, help="settings YAML")
     p.add_argument("--listen", default=None, help="control plane HOST:PORT (overrides settings)")
     p.set_defaults(func=run)
+
+
+def use_pidfd_watcher(loop: asyncio.AbstractEventLoop) -> None:
+    """Python 3.11 watches children with a thread per child; a pidfd on the loop reports an
+    exit without the thread hop (3.12 does this by default)."""
+    if sys.version_info >= (3, 12) or not hasattr(asyncio, "PidfdChildWatcher"):
+        return
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (OSError, AttributeError):
+        return  # kernel older than 5.3
+    watcher = asyncio.PidfdChildWatcher()
+    watcher.attach_loop(loop)
+    asyncio.set_child_watcher(watcher)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -79,6 +94,7 @@ async def serve(settings: Settings) -> int:
         )
     )
     loop = asyncio.get_running_loop()
+    use_pidfd_watcher(loop)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

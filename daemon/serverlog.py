@@ -1,7 +1,7 @@
 """A launch's output: the per-launch log file, the in-memory ring, SGLang line parsing, retention.
 
-Output arrives in chunks. Each chunk goes to the file whole (buffered; flushed on a short timer
-and at exit) and is split into lines in memory for the ring and the parser. Arbitrary bytes
+Output arrives in chunks. Each chunk's whole lines go to the file at once (one unbuffered
+write) and are split into lines in memory for the ring and the parser. Arbitrary bytes
 never raise: lines are decoded with replacement characters. Ring entries are capped (a longer
 line is cut and marked; the file keeps it whole) and so is the ring's total size.
 """
@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 RING_ENTRY_MAX = 8 * 1024
 RING_LINES = 5000
@@ -36,11 +36,28 @@ _FIELDS = {
     "accept_rate": re.compile(r"accept rate: ([\d.]+)"),
     "gen_throughput_tok_s": re.compile(r"gen throughput \(token/s\): ([\d.]+)"),
 }
-# Cheap pre-filter: a chunk without any of these bytes has nothing for the parser.
-_INTERESTING = re.compile(
-    rb"batch|ready to roll|rror|xception|Traceback|memory|NCCL|nccl|atchdog|sigquit|SIGQUIT|"
-    rb"already in use|usage:|Killed|dead|died|crashed|Health check failed|Unknown"
+# Cheap pre-filter (plain substring search, far faster than a regex alternation): a chunk or
+# line without any of these has nothing for the parser.
+_KEYWORDS = (
+    "batch",  # Decode batch / Prefill batch
+    "ready to roll",  # the ready line
+    "rror",  # Error/error: exceptions, argparse, NCCL errors, CUDA OOM, uvicorn's bind error
+    "xception",  # "Scheduler hit an exception", "Exception: Capture cuda graph failed"
+    "atchdog",  # scheduler watchdog timeouts, torch's NCCL watchdog
+    "dead",  # "Rank 0 scheduler is dead"
+    "crashed",  # "Subprocess scheduler_0 (pid=N) crashed with exit code"
 )
+_KEYWORDS_B = tuple(k.encode() for k in _KEYWORDS)
+
+
+def _interesting_bytes(data: bytes) -> bool:
+    return any(k in data for k in _KEYWORDS_B)
+
+
+def _interesting(line: str) -> bool:
+    return any(k in line for k in _KEYWORDS)
+
+
 _ARGPARSE_ERROR = re.compile(
     r"^(?:usage: )?.*?: error: (?:unrecognized arguments|ambiguous option|argument |"
     r"the following arguments are required|invalid choice|expected )"
@@ -133,49 +150,90 @@ def parse_line(line: str) -> ParsedLine:
 # -- the ring -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RingLine:
+class RingLine(NamedTuple):
     seq: int
     at: float  # wall time the line was read
     text: str
 
 
 class Ring:
-    """The last lines of output, capped in count and in bytes."""
+    """The last lines of output, capped in count and in bytes (the newest line always stays).
+
+    Lines are kept in blocks, one per chunk of output, so a flood costs a few operations per
+    chunk rather than per line.
+    """
 
     def __init__(self, max_lines: int = RING_LINES, max_bytes: int = RING_BYTES) -> None:
         self.max_lines = max_lines
         self.max_bytes = max_bytes
-        self._lines: deque[RingLine] = deque()
+        # (seq of the first line, wall time, lines, bytes)
+        self._blocks: deque[tuple[int, float, list[str], int]] = deque()
+        self._count = 0
         self._bytes = 0
         self.seq = 0  # lines ever added
         self.truncated = 0
 
-    def add(self, text: str, at: float) -> RingLine:
-        if len(text) > RING_ENTRY_MAX:
-            text = text[:RING_ENTRY_MAX] + TRUNCATED
-            self.truncated += 1
-        self.seq += 1
-        entry = RingLine(self.seq, at, text)
-        self._lines.append(entry)
-        self._bytes += len(text)
-        while len(self._lines) > 1 and (
-            len(self._lines) > self.max_lines or self._bytes > self.max_bytes
-        ):
-            self._bytes -= len(self._lines.popleft().text)
-        return entry
+    def add(self, text: str, at: float) -> None:
+        self.extend([text], at)
+
+    def extend(self, texts: list[str], at: float) -> None:
+        if not texts:
+            return
+        skipped = 0
+        if len(texts) > self.max_lines:
+            skipped = len(texts) - self.max_lines
+            texts = texts[skipped:]
+        if max(map(len, texts)) > RING_ENTRY_MAX:
+            self.truncated += sum(1 for t in texts if len(t) > RING_ENTRY_MAX)
+            texts = [
+                t if len(t) <= RING_ENTRY_MAX else t[:RING_ENTRY_MAX] + TRUNCATED for t in texts
+            ]
+        nbytes = sum(map(len, texts))
+        self._blocks.append((self.seq + skipped + 1, at, texts, nbytes))
+        self.seq += skipped + len(texts)
+        self._count += len(texts)
+        self._bytes += nbytes
+        self._trim()
+
+    def _trim(self) -> None:
+        blocks = self._blocks
+        while self._count > 1 and (self._count > self.max_lines or self._bytes > self.max_bytes):
+            first, at, lines, nbytes = blocks[0]
+            excess = self._count - self.max_lines
+            if len(blocks) > 1 and (excess >= len(lines) or self._bytes - nbytes >= self.max_bytes):
+                blocks.popleft()
+                self._count -= len(lines)
+                self._bytes -= nbytes
+                continue
+            drop = max(1, min(excess, len(lines) - 1)) if excess > 0 else 1
+            if drop >= len(lines):
+                break  # the newest line stays
+            gone = sum(map(len, lines[:drop]))
+            blocks[0] = (first + drop, at, lines[drop:], nbytes - gone)
+            self._count -= drop
+            self._bytes -= gone
 
     def tail(self, n: int) -> list[RingLine]:
-        if n <= 0:
-            return []
-        return list(self._lines)[-n:]
+        out: list[RingLine] = []
+        for first, at, lines, _ in reversed(self._blocks):
+            if len(out) >= n:
+                break
+            take = lines[-(n - len(out)) :] if n - len(out) < len(lines) else lines
+            start = first + len(lines) - len(take)
+            out.extend(reversed([RingLine(start + i, at, t) for i, t in enumerate(take)]))
+        out.reverse()
+        return out if n > 0 else []
+
+    def since(self, seq: int) -> list[RingLine]:
+        """Lines after `seq` still in the ring."""
+        return self.tail(max(0, self.seq - seq))
 
     @property
     def nbytes(self) -> int:
         return self._bytes
 
     def __len__(self) -> int:
-        return len(self._lines)
+        return self._count
 
 
 def collapse_cr(line: str) -> str:
@@ -200,13 +258,13 @@ class LaunchLog:
         self,
         path: Path,
         header: Iterable[str],
-        on_line: Callable[[str, ParsedLine | None], None] | None = None,
+        on_lines: Callable[[list[str], list[tuple[str, ParsedLine]]], None] | None = None,
         ring: Ring | None = None,
         redact: Callable[[str], str] | None = None,
     ) -> None:
         self.path = path
         self.ring = ring or Ring()
-        self.on_line = on_line
+        self.on_lines = on_lines
         self.redact = redact or (lambda s: s)
         self._partials: dict[int, bytes] = {}
         self.bytes_written = 0
@@ -214,11 +272,11 @@ class LaunchLog:
         self.closed = False
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
-            self._file = os.fdopen(fd, "wb", buffering=1 << 20)
+            self._fd = os.open(
+                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o640
+            )
             head = "".join(f"# {self.redact(h)}\n" for h in header).encode()
-            self._file.write(head)
-            self._file.flush()
+            os.write(self._fd, head)
         except OSError as exc:
             raise LogUnwritable(f"{path}: {exc.strerror or exc}") from exc
         self.write_error: str | None = None
@@ -241,46 +299,50 @@ class LaunchLog:
             self._partials[stream] = data[cut + 1 :]
             data = data[: cut + 1]
         self._write(data)
-        self._lines(data[:-1].split(b"\n"), interesting=_INTERESTING.search(data) is not None)
+        self._lines(data[:-1], interesting=_interesting_bytes(data))
 
     def _write(self, data: bytes) -> None:
         if self.write_error is not None:
             return
         try:
-            self._file.write(data)
+            # One unbuffered write per chunk: the file is current at every moment, with no
+            # flush timer, and big chunks keep the syscall count low.
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
             self.bytes_written += len(data)
         except OSError as exc:  # disk full, file too large: keep supervising
             self.write_error = f"{self.path}: {exc.strerror or exc}"
 
-    def _lines(self, complete: list[bytes], interesting: bool) -> None:
-        now = time.time()
-        self.lines += len(complete)
-        for raw in complete:
-            text = collapse_cr(raw.decode("utf-8", errors="replace"))
-            parsed = parse_line(text) if interesting else None
-            self.ring.add(self.redact(text), now)
-            if self.on_line is not None:
-                self.on_line(text, parsed)
-
-    def flush(self) -> None:
-        if self.closed or self.write_error is not None:
-            return
-        try:
-            self._file.flush()
-        except OSError as exc:
-            self.write_error = f"{self.path}: {exc.strerror or exc}"
+    def _lines(self, data: bytes, interesting: bool) -> None:
+        """`data` holds whole lines without the final newline. One decode and one split per
+        chunk; the parser sees only lines that may matter. The ring keeps the raw text:
+        whatever serves it redacts it."""
+        text = data.decode("utf-8", errors="replace")
+        lines = text.split("\n")
+        if "\r" in text:
+            lines = [collapse_cr(line) for line in lines]
+        self.lines += len(lines)
+        self.ring.extend(lines, time.time())
+        parsed: list[tuple[str, ParsedLine]] = []
+        if interesting:
+            for line in lines:
+                if _interesting(line):
+                    result = parse_line(line)
+                    if result.ready or result.decode is not None or result.findings:
+                        parsed.append((line, result))
+        if self.on_lines is not None:
+            self.on_lines(lines, parsed)
 
     def close(self, trailer: str | None = None) -> None:
         if self.closed:
             return
         for stream in list(self._partials):
             self.feed(b"\n", stream)
+        if trailer:
+            self._write(f"# {trailer}\n".encode())
         with contextlib.suppress(OSError):
-            if trailer:
-                self._file.write(f"# {trailer}\n".encode())
-            self._file.flush()
-        with contextlib.suppress(OSError):
-            self._file.close()
+            os.close(self._fd)
         self.closed = True
 
 

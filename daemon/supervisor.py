@@ -19,6 +19,7 @@ import random
 import signal
 import time
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -181,7 +182,11 @@ class Supervisor:
         self._backoff_task: asyncio.Task[Any] | None = None
         self._gpu_task: asyncio.Task[Any] | None = None
         self._shutdown_replies: list[asyncio.Future[Any]] = []
-        self.line_listeners: set[Callable[[str], None]] = set()
+        # Called with each chunk's lines (raw: redact before serving them).
+        self.line_listeners: set[Callable[[list[str]], None]] = set()
+        self._subreaper = childmod.is_subreaper()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
+        self._dirty = False
 
     # -- public: thin clients of the owner task ---------------------------------------------------
 
@@ -221,6 +226,7 @@ class Supervisor:
         self._running = True
         self._spawn(self._poll_gpus())
         await self._boot()
+        self._save()
         await self._notify()
         try:
             while self._running:
@@ -236,8 +242,13 @@ class Supervisor:
                     reply = getattr(msg, "reply", None)
                     if reply is not None and not reply.done():
                         reply.set_exception(exc)
+                if self._dirty:
+                    self._save()
                 await self._notify()
         finally:
+            if self._dirty:
+                self._save()
+            await asyncio.to_thread(self._writer.shutdown, wait=True)
             for task in list(self._tasks):
                 task.cancel()
             await self.prober.close()
@@ -386,6 +397,16 @@ class Supervisor:
     # -- persistence ---------------------------------------------------------------------------
 
     def _persist(self) -> None:
+        """Mark the saved state stale; it is written once after the message being handled."""
+        self._dirty = True
+
+    def _save(self) -> None:
+        """Snapshot the state here, on the loop; write it (fsync and all) on the writer thread,
+        so a relaunch never waits for the disk. Writes stay in order: one writer."""
+        self._dirty = False
+        self._writer.submit(self.store.save, self._state_record())
+
+    def _state_record(self) -> dict[str, Any]:
         launch = self.launch
         current = None
         if launch is not None and launch.child is not None and not launch.exited:
@@ -398,19 +419,17 @@ class Supervisor:
                 "boot_id": childmod.boot_id(),
                 "started_at": launch.started_at,
             }
-        self.store.save(
-            {
-                "intent": {"config": self.intent_config, "running": self.intent_running},
-                "last_good_config": self.last_good_config,
-                "last_good_launch": self.last_good_launch,
-                "last_failed_launch": self.last_failed_launch,
-                "failures": self.failures,
-                "launch_seq": self._launch_seq,
-                "current_launch": current,
-                "last_exit": self.last_exit,
-                "launches": self.launch_history[-LAUNCH_HISTORY:],
-            }
-        )
+        return {
+            "intent": {"config": self.intent_config, "running": self.intent_running},
+            "last_good_config": self.last_good_config,
+            "last_good_launch": self.last_good_launch,
+            "last_failed_launch": self.last_failed_launch,
+            "failures": self.failures,
+            "launch_seq": self._launch_seq,
+            "current_launch": current,
+            "last_exit": self.last_exit,
+            "launches": list(self.launch_history[-LAUNCH_HISTORY:]),
+        }
 
     def _set_intent(self, config: str | None, running: bool) -> None:
         self.intent_config = config
@@ -527,7 +546,7 @@ class Supervisor:
         deadline = self.clock.monotonic() + cfg.release_timeout_s
         announced = False
         while True:
-            snap = await asyncio.to_thread(self.gpu.snapshot)
+            snap = await self._snapshot()
             self.gpu_snapshot = snap
             busy = busy_gpus(snap, launch.config.gpus, cfg.busy_above_mib)
             if not busy:
@@ -583,7 +602,7 @@ class Supervisor:
             launch.log = LaunchLog(
                 path,
                 header,
-                on_line=lambda text, parsed: self._on_line(launch, text, parsed),
+                on_lines=lambda lines, parsed: self._on_lines(launch, lines, parsed),
                 redact=launch.redactor.text,
             )
         except LogUnwritable as exc:
@@ -592,8 +611,9 @@ class Supervisor:
         env = {**os.environ, **cfg.env}
         try:
             child = await childmod.spawn(cfg.argv, env, launch.launch_id, launch.log.feed)
-        except OSError as exc:
-            detail = f"cannot execute {cfg.argv[0]!r}: {exc.strerror or exc}"
+        except Exception as exc:  # OSError from exec; anything else must not strand the attempt
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
+            detail = f"cannot execute {cfg.argv[0]!r}: {reason}"
             launch.log.close(f"exec failed: {detail}")
             self._fail(launch, Classification("exec_failed", detail))
             return
@@ -609,22 +629,22 @@ class Supervisor:
         health = cfg.config.health
         self._timer(health.startup_timeout_s, StartupTimedOut(gen), launch)
         self._spawn(self._probe_loop(launch, readiness=True), launch)
-        self._spawn(self._flush_loop(launch), launch)
         self._spawn(self._prune_logs())
 
-    def _on_line(self, launch: Launch, text: str, parsed: ParsedLine | None) -> None:
-        """Called by the log pipeline for every line. Findings are log data kept on the launch;
+    def _on_lines(
+        self, launch: Launch, lines: list[str], parsed: list[tuple[str, ParsedLine]]
+    ) -> None:
+        """Called by the log pipeline once per chunk. Findings are log data kept on the launch;
         what changes state (the ready line) or status (decode metrics) is posted to the owner."""
         for listener in list(self.line_listeners):
-            listener(text)
-        if parsed is None:
-            return
-        if parsed.findings:
-            launch.add_findings(
-                [Finding(f.kind, launch.redactor.text(f.line)) for f in parsed.findings]
-            )
-        if parsed.ready or parsed.decode is not None:
-            self.post(LineParsed(launch.gen, parsed, text))
+            listener(lines)
+        for text, result in parsed:
+            if result.findings:
+                launch.add_findings(
+                    [Finding(f.kind, launch.redactor.text(f.line)) for f in result.findings]
+                )
+            if result.ready or result.decode is not None:
+                self.post(LineParsed(launch.gen, result, text))
 
     def _on_line_parsed(self, msg: LineParsed) -> None:
         launch = self._current(msg.gen)
@@ -657,7 +677,6 @@ class Supervisor:
         self.last_good_launch = launch.launch_id
         self._persist()
         self._spawn(self._probe_loop(launch, readiness=False), launch)
-        self._spawn(self._flush_loop(launch), launch)
         self._timer(self.settings.restart.reset_after_s, StableUptime(launch.gen), launch)
         self._spawn(self._refresh_gpus())
 
@@ -676,11 +695,6 @@ class Supervisor:
                     return
             elif not readiness:
                 self.post(ProbeFailed(launch.gen, result.detail))
-
-    async def _flush_loop(self, launch: Launch) -> None:
-        while launch.log is not None and not launch.log.closed:
-            await asyncio.sleep(0.2)
-            launch.log.flush()
 
     def _on_probe_failed(self, msg: ProbeFailed) -> None:
         launch = self._current(msg.gen)
@@ -736,7 +750,6 @@ class Supervisor:
         if launch.exited or launch.child is None:
             return  # the exit is already being handled
         launch.cancel_tasks()
-        self._spawn(self._flush_loop(launch), launch)
         launch.child.signal(signal.SIGTERM)
         self._timer(self.settings.stop.grace_s, GraceExpired(launch.gen), launch)
 
@@ -767,8 +780,12 @@ class Supervisor:
         child = launch.child
         assert child is not None
         await child.wait_pipes_closed(PIPE_DRAIN_S)
-        leftovers = await asyncio.to_thread(childmod.find_leftovers, launch.launch_id, child.pgid)
-        killed = await childmod.kill_leftovers(leftovers)
+        killed: list[childmod.Leftover] = []
+        if not (self._subreaper and childmod.nothing_left(child.pgid)):
+            leftovers = await asyncio.to_thread(
+                childmod.find_leftovers, launch.launch_id, child.pgid
+            )
+            killed = await childmod.kill_leftovers(leftovers)
         self.post(
             SweepDone(
                 launch.gen,
@@ -865,7 +882,10 @@ class Supervisor:
                 S.BACKOFF, reason=verdict.reason, delay_s=round(delay, 3), failures=self.failures
             )
             self.next_retry_at = self.clock.time() + delay
-            self._backoff_task = self._timer(delay, BackoffElapsed(launch.gen))
+            if delay <= 0:
+                self._on_backoff_elapsed(BackoffElapsed(launch.gen))
+            else:
+                self._backoff_task = self._timer(delay, BackoffElapsed(launch.gen))
         self._persist()
 
     def _on_backoff_elapsed(self, msg: BackoffElapsed) -> None:
@@ -891,6 +911,12 @@ class Supervisor:
             self._gpu_task = None
 
     # -- background ------------------------------------------------------------------------------
+
+    async def _snapshot(self) -> GpuSnapshot:
+        """NVML calls can block (a wedged driver): off the loop. The others are cheap."""
+        if getattr(self.gpu, "blocking", True):
+            return await asyncio.to_thread(self.gpu.snapshot)
+        return self.gpu.snapshot()
 
     async def _refresh_gpus(self) -> None:
         with contextlib.suppress(Exception):
@@ -992,7 +1018,7 @@ class Supervisor:
         launch = self.launch
         if launch is None or launch.log is None:
             return []
-        return [e.text for e in launch.log.ring.tail(n)]
+        return [launch.redactor.text(e.text) for e in launch.log.ring.tail(n)]
 
     @property
     def log_path(self) -> Path | None:

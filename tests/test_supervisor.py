@@ -120,8 +120,8 @@ def line_seen(sup: Supervisor, text: str) -> asyncio.Event:
     """An event set when the server prints a line containing `text`."""
     event = asyncio.Event()
 
-    def listener(line: str) -> None:
-        if text in line:
+    def listener(lines: list[str]) -> None:
+        if any(text in line for line in lines):
             event.set()
 
     sup.line_listeners.add(listener)
