@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpuwarden.api import routes_control, routes_status
+from gpuwarden.api import routes_configs, routes_control, routes_events, routes_logs, routes_status
+from gpuwarden.api.auth import read_token, require_token
 from gpuwarden.daemon.settings import Settings
 from gpuwarden.daemon.supervisor import CommandError, Supervisor
 
@@ -26,12 +27,18 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
     )
     app.state.supervisor = supervisor
     app.state.settings = settings
-    app.include_router(routes_status.router)
-    app.include_router(routes_control.router)
+    app.state.token = read_token(settings.token_file)
+    app.state.metrics = routes_events.metrics_registry(supervisor)
+    guarded = [Depends(require_token)]
+    app.include_router(routes_status.public)
+    for module in (routes_status, routes_control, routes_configs, routes_logs, routes_events):
+        app.include_router(module.router, dependencies=guarded)
 
     @app.exception_handler(CommandError)
     async def command_error(request: Request, exc: CommandError) -> JSONResponse:
-        return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status)
+        return JSONResponse(
+            {**error_body(exc.error, exc.detail), **exc.extra}, status_code=exc.status
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -10,6 +10,8 @@ from pydantic import BaseModel, Field
 class ErrorBody(BaseModel):
     error: str = Field(description="a short machine-readable name")
     detail: Any = Field(description="what went wrong, for a person")
+    problems: list[str] | None = Field(None, description="every preflight problem (422)")
+    warnings: list[str] | None = Field(None, description="preflight warnings (422)")
 
 
 class Accepted(BaseModel):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from gpuwarden.api.deps import SupervisorDep
 from gpuwarden.api.models import Accepted, errors
@@ -13,11 +15,22 @@ router = APIRouter(tags=["control"])
 ConfigParam = Annotated[str | None, Query(description="a config name (configs/NAME.yaml)")]
 
 
+class Outcome(BaseModel):
+    outcome: str
+    reason: str | None = None
+    evidence: str | None = None
+    launch_ids: list[str] = []
+    swap_id: str | None = None
+    config: str | None = None
+    state: str | None = None
+    accepted: bool = True
+
+
 @router.post(
     "/start",
     status_code=202,
     summary="Start a config (409 while a server runs: swap with restart)",
-    responses=errors(400, 404, 409, 422),
+    responses=errors(400, 401, 404, 409, 422),
 )
 async def start(supervisor: SupervisorDep, config: ConfigParam = None) -> Accepted:
     return Accepted(**await supervisor.start(config))
@@ -26,8 +39,8 @@ async def start(supervisor: SupervisorDep, config: ConfigParam = None) -> Accept
 @router.post(
     "/stop",
     status_code=202,
-    summary="Stop the server and leave it stopped; always wins over a start, swap or sweep",
-    responses=errors(),
+    summary="Stop the server and leave it stopped; wins over a start, swap or sweep",
+    responses=errors(401),
 )
 async def stop(supervisor: SupervisorDep) -> Accepted:
     return Accepted(**await supervisor.stop())
@@ -36,8 +49,21 @@ async def stop(supervisor: SupervisorDep) -> Accepted:
 @router.post(
     "/restart",
     status_code=202,
-    summary="Restart the current config, or swap to another one",
-    responses=errors(400, 404, 409, 422),
+    summary="Restart the current config, or swap to another one (preflight first)",
+    description="Without `wait`: 202 once accepted. With `wait=true`: 200 with the settled "
+    "outcome (`ready`, `rolled_back` or `failed`). A swap whose preflight fails answers "
+    "422 at once and touches nothing.",
+    responses={
+        **errors(400, 401, 404, 409, 422),
+        200: {"model": Outcome, "description": "settled (wait=true)"},
+    },
 )
-async def restart(supervisor: SupervisorDep, config: ConfigParam = None) -> Accepted:
-    return Accepted(**await supervisor.restart(config))
+async def restart(
+    supervisor: SupervisorDep,
+    config: ConfigParam = None,
+    wait: Annotated[bool, Query(description="answer once the restart has settled")] = False,
+) -> Any:
+    result = await supervisor.restart(config, wait=wait)
+    if wait:
+        return JSONResponse(Outcome(**result).model_dump(), status_code=200)
+    return Accepted(**result)

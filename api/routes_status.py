@@ -7,15 +7,21 @@ from typing import Any
 from fastapi import APIRouter
 
 from gpuwarden.api.deps import SupervisorDep
+from gpuwarden.api.models import errors
 
 router = APIRouter(tags=["status"])
+public = APIRouter(tags=["status"])
 
 
-@router.get("/healthz", summary="The daemon is alive (no auth)")
+@public.get("/healthz", summary="The daemon is alive (no auth)")
 async def healthz() -> dict[str, Any]:
     return {"ok": True}
 
 
-@router.get("/status", summary="State, config, last exit, GPUs and server metrics")
+@router.get(
+    "/status",
+    summary="State, config, last exit, GPUs and server metrics",
+    responses=errors(401),
+)
 async def status(supervisor: SupervisorDep) -> dict[str, Any]:
     return supervisor.status()

@@ -43,6 +43,7 @@ class OptionSpec:
     dest: str = ""
     default: Any = None
     help: str | None = None
+    required: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -53,7 +54,7 @@ class OptionSpec:
         data = asdict(self)
         data["strings"] = list(self.strings)
         data["choices"] = list(self.choices) if self.choices is not None else None
-        return {k: v for k, v in data.items() if v not in (None, {}, "") or k == "strings"}
+        return {k: v for k, v in data.items() if v not in (None, {}, "", False) or k == "strings"}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> OptionSpec:
@@ -68,6 +69,7 @@ class OptionSpec:
             dest=data.get("dest", ""),
             default=data.get("default"),
             help=data.get("help"),
+            required=bool(data.get("required", False)),
         )
 
 
@@ -135,12 +137,30 @@ def _parse_arg_format(fmt: str) -> tuple[Nargs, tuple[str, ...] | None, str | No
     return None, choices, metavar
 
 
+def _required_in_usage(text: str) -> set[str]:
+    """Option strings the usage block shows outside brackets: the required ones."""
+    if "usage:" not in text:
+        return set()
+    usage = text.split("usage:", 1)[1].split("\n\n", 1)[0]
+    required: set[str] = set()
+    depth = 0
+    for token in re.findall(r"[\[\]{}]|[^\s\[\]{}]+", usage):
+        if token in "[{":
+            depth += 1
+        elif token in "]}":
+            depth -= 1
+        elif depth == 0 and token.startswith("-"):
+            required.add(token)
+    return required
+
+
 def parse_help(text: str) -> list[OptionSpec]:
     """Rebuild the optional arguments from argparse's --help output.
 
-    Only the option listing is read (lines indented by two spaces that begin with '-'); the
-    usage block is ignored. Types are unknown from help text and left as None.
+    The option listing gives names, aliases, nargs and choices (lines indented by two spaces
+    that begin with '-'); the usage block tells which are required. Types are unknown.
     """
+    required = _required_in_usage(text)
     specs: list[OptionSpec] = []
     for line in text.splitlines():
         m = _OPTION_LINE.match(line)
@@ -170,6 +190,7 @@ def parse_help(text: str) -> list[OptionSpec]:
                 choices=choices,
                 metavar=metavar,
                 dest=default_dest(strings),
+                required=bool(required & set(strings)),
             )
         )
     return specs
@@ -248,6 +269,8 @@ def add_specs(
         kwargs: dict[str, Any] = {"dest": dest}
         if dest in defaults:
             kwargs["default"] = defaults[dest]
+        if spec.required:
+            kwargs["required"] = True
         if dest in helps:
             kwargs["help"] = helps[dest]
         elif spec.help:

@@ -19,7 +19,7 @@ import fcntl
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +33,16 @@ PR_GET_CHILD_SUBREAPER = 37
 
 # Pids whose exit asyncio's child watcher reports: the reaper must not take them.
 _OWNED: set[int] = set()
+
+
+@contextlib.contextmanager
+def owned(pid: int) -> Iterator[None]:
+    """Mark a helper child as ours while it runs: the reaper and the sweep leave it alone."""
+    _OWNED.add(pid)
+    try:
+        yield
+    finally:
+        _OWNED.discard(pid)
 
 
 def boot_id() -> str:

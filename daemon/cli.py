@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from gpuwarden.daemon import demo, fakegpu_cli, serve
+from gpuwarden.daemon import client, demo, fakegpu_cli, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.add_parser(sub)
     demo.add_parser(sub)
+    client.add_parsers(sub)
     fakegpu_cli.add_parser(sub)
     return parser
 
@@ -25,6 +26,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.func.__module__ == client.__name__:
+            return client.run(args)
         return int(args.func(args))
     except KeyboardInterrupt:
         return 130

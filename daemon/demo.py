@@ -29,12 +29,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=run)
 
 
-def demo_configs(python: str = sys.executable) -> dict[str, dict[str, Any]]:
+def demo_configs(root: Path, python: str = sys.executable) -> dict[str, dict[str, Any]]:
     """The demo's named server configs: the seed's baseline and its best EAGLE-3 setting."""
     baseline = {
         "command": [python, "-m", "gpuwarden.standin"],
         "args": {
-            "model-path": "/models/Kimi-K2.5",
+            "model-path": str(root / "models" / "Kimi-K2.5"),
             "tp-size": 8,
             "port": DEMO_SERVER_PORT,
             "standin-time-scale": DEMO_TIME_SCALE,
@@ -46,7 +46,7 @@ def demo_configs(python: str = sys.executable) -> dict[str, dict[str, Any]]:
         "extends": "baseline",
         "args": {
             "speculative-algorithm": "EAGLE3",
-            "speculative-draft-model-path": "/data/eagle3/drafter",
+            "speculative-draft-model-path": str(root / "models" / "eagle3-drafter"),
             "speculative-num-steps": 3,
             "speculative-eagle-topk": 4,
             "speculative-num-draft-tokens": 5,
@@ -59,7 +59,9 @@ def write_demo_dir(root: Path, listen: str) -> Path:
     """Lay out settings.yaml, configs/, and the fake GPU under `root`; return the settings path."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "configs").mkdir(exist_ok=True)
-    for name, cfg in demo_configs().items():
+    for model in ("Kimi-K2.5", "eagle3-drafter"):  # the stand-in loads nothing from them
+        (root / "models" / model).mkdir(parents=True, exist_ok=True)
+    for name, cfg in demo_configs(root).items():
         (root / "configs" / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     if not (root / "fakegpu" / "gpus.json").exists():
         fakegpu.init_dir(root / "fakegpu", count=8)

@@ -25,6 +25,7 @@ class StartRequested:
     config: str | None
     reply: asyncio.Future[Any] = field(default_factory=_future)
     boot: bool = False
+    preflight: Any = None  # a PreflightResult, checked before the message was posted
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class StopRequested:
 class RestartRequested:
     config: str | None
     reply: asyncio.Future[Any] = field(default_factory=_future)
+    preflight: Any = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,11 @@ class StableUptime:
 
 
 @dataclass(frozen=True)
+class ProbationOver:
+    gen: int
+
+
+@dataclass(frozen=True)
 class EventNoted:
     """A helper task has something to record (it posts; the owner records)."""
 
@@ -133,4 +140,5 @@ Message = (
     | BackoffElapsed
     | StableUptime
     | EventNoted
+    | ProbationOver
 )

@@ -38,6 +38,7 @@ from gpuwarden.daemon.events import (
     GraceExpired,
     LineParsed,
     Message,
+    ProbationOver,
     ProbeFailed,
     ProbeSucceeded,
     RestartRequested,
@@ -51,6 +52,7 @@ from gpuwarden.daemon.events import (
 from gpuwarden.daemon.gpu import GpuBackend, GpuSnapshot, busy_gpus, describe_busy
 from gpuwarden.daemon.health import HttpProber, Prober
 from gpuwarden.daemon.policy import NOT_RETRIED, Classification, backoff_delay, classify_exit
+from gpuwarden.daemon.preflight import Preflight, PreflightResult
 from gpuwarden.daemon.redact import Redactor, secret_values
 from gpuwarden.daemon.serverlog import (
     Finding,
@@ -75,11 +77,14 @@ LAUNCH_HISTORY = 50
 class CommandError(Exception):
     """A command the supervisor refuses; maps to an HTTP status."""
 
-    def __init__(self, status: int, error: str, detail: str) -> None:
+    def __init__(
+        self, status: int, error: str, detail: str, extra: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(detail)
         self.status = status
         self.error = error
         self.detail = detail
+        self.extra = extra or {}
 
 
 class Next(StrEnum):
@@ -110,6 +115,9 @@ class Launch:
     next_config: ResolvedConfig | None = None
     imposed: Classification | None = None
     probe_failures: int = 0
+    swap: Swap | None = None  # the swap this attempt belongs to
+    rollback: bool = False  # this attempt is a rollback to the last good config
+    on_probation: bool = False
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def add_findings(self, findings: list[Finding]) -> None:
@@ -125,6 +133,31 @@ class Launch:
         for task in self.tasks:
             task.cancel()
         self.tasks.clear()
+
+
+@dataclass
+class Swap:
+    """A restart under way: a swap to another config, or a restart of the current one."""
+
+    id: str
+    from_config: str | None
+    to_config: str
+    is_swap: bool
+    phase: str = "stopping"
+    outcome_reason: str | None = None  # why it rolled back
+    outcome_evidence: str | None = None
+    launch_ids: list[str] = field(default_factory=list)
+    outcome: dict[str, Any] | None = None
+    settled: asyncio.Future[dict[str, Any]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+    @property
+    def active(self) -> bool:
+        return self.outcome is None or self.phase == "rolling_back"
+
+    def view(self) -> dict[str, Any]:
+        return {"id": self.id, "from": self.from_config, "to": self.to_config, "phase": self.phase}
 
 
 def utc_iso(ts: float | None) -> str | None:
@@ -145,6 +178,7 @@ class Supervisor:
         prober: Prober | None = None,
         store: StateStore | None = None,
         events: EventLog | None = None,
+        preflight: Preflight | None = None,
     ) -> None:
         self.settings = settings
         self.gpu = gpu
@@ -187,6 +221,11 @@ class Supervisor:
         self._subreaper = childmod.is_subreaper()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
         self._dirty = False
+        self.preflight = preflight or Preflight()
+        self.swap: Swap | None = None
+        self.rolled_back_from: str | None = None
+        self.exits_by_reason: dict[str, int] = {}
+        self.ready_times: list[float] = []
 
     # -- public: thin clients of the owner task ---------------------------------------------------
 
@@ -194,14 +233,72 @@ class Supervisor:
         self._inbox.put_nowait(msg)
         return await msg.reply
 
+    async def check(self, name: str) -> PreflightResult:
+        """The preflight of a config, without touching what runs (400/404 for bad names)."""
+        cfg = self._resolve_or_raise(name, invalid_ok=True)
+        if cfg is None:
+            return self._invalid_result
+        return await self.preflight.check(cfg, replacing_port=self._replacing_port())
+
     async def start(self, config: str | None = None) -> Any:
-        return await self.request(StartRequested(config))
+        name = config or self.intent_config or self.settings.default_config
+        cfg = self._resolve_or_raise(name, invalid_ok=True)
+        pre = self._invalid_result if cfg is None else await self.preflight.check(cfg)
+        return await self.request(StartRequested(name, preflight=pre))
 
     async def stop(self) -> Any:
         return await self.request(StopRequested())
 
-    async def restart(self, config: str | None = None) -> Any:
-        return await self.request(RestartRequested(config))
+    async def restart(self, config: str | None = None, wait: bool = False) -> Any:
+        """Restart, or swap when `config` names another config. A swap is preflighted first:
+        a refused one answers 422 and touches nothing."""
+        name = config or self.intent_config or self.settings.default_config
+        cfg = self._resolve_or_raise(name)
+        assert cfg is not None
+        pre = None
+        if cfg.name != self._current_config():
+            pre = await self.preflight.check(cfg, replacing_port=self._replacing_port())
+            if not pre.ok:
+                raise CommandError(
+                    422,
+                    "preflight_refused",
+                    "; ".join(pre.problems),
+                    extra={"problems": pre.problems, "warnings": pre.warnings},
+                )
+        reply = await self.request(RestartRequested(cfg.name, preflight=pre))
+        if wait:
+            swap: Swap = reply.pop("_swap")
+            reply = {**reply, **await asyncio.shield(swap.settled)}
+        else:
+            reply.pop("_swap", None)
+        return reply
+
+    def _resolve_or_raise(
+        self, name: str | None, invalid_ok: bool = False
+    ) -> ResolvedConfig | None:
+        """400/404 raise; an invalid config (422) raises too unless `invalid_ok`, when it
+        becomes a failed preflight result."""
+        try:
+            return self._resolve(name)
+        except CommandError as exc:
+            if exc.status == 422 and invalid_ok:
+                self._invalid_result = PreflightResult(ok=False, problems=[exc.detail])
+                return None
+            raise
+
+    _invalid_result = PreflightResult(ok=False)
+
+    def _current_config(self) -> str | None:
+        launch = self.launch
+        if launch is not None and self.state in (S.WAITING_GPU, *RUNNING_STATES):
+            return launch.config.name
+        return self.intent_config
+
+    def _replacing_port(self) -> int | None:
+        launch = self.launch
+        if launch is not None and launch.child is not None and not launch.exited:
+            return launch.config.port
+        return None
 
     async def shutdown(self) -> None:
         """Stop the server (the saved intent is kept) and end `run`."""
@@ -261,11 +358,13 @@ class Supervisor:
     async def _handle(self, msg: Message) -> None:
         match msg:
             case StartRequested():
-                msg.reply.set_result(await self._on_start(msg.config, boot=msg.boot))
+                msg.reply.set_result(self._on_start(msg))
             case StopRequested():
                 msg.reply.set_result(self._on_stop())
             case RestartRequested():
                 msg.reply.set_result(self._on_restart(msg.config))
+            case ProbationOver():
+                self._on_probation_over(msg)
             case ShutdownRequested():
                 self._on_shutdown(msg.reply)
             case GpuWaitDone():
@@ -349,11 +448,27 @@ class Supervisor:
         self.launch_history = list(data.get("launches") or [])[-LAUNCH_HISTORY:]
         self.last_exit = data.get("last_exit")
         await self._stop_previous_life(data.get("current_launch"))
+        name = None
         if intent:
             if self.intent_running and self.intent_config:
-                self.post(StartRequested(self.intent_config, boot=True))
+                name = self.intent_config
         elif self.settings.default_config:
-            self.post(StartRequested(self.settings.default_config, boot=True))
+            name = self.settings.default_config
+        if name:
+            self._spawn(self._boot_start(name))
+
+    async def _boot_start(self, name: str) -> None:
+        """Preflight gates the boot too: run it off the owner, then post the start."""
+        try:
+            cfg = self._resolve_or_raise(name, invalid_ok=True)
+        except CommandError as exc:
+            pre = PreflightResult(ok=False, problems=[exc.detail])
+        else:
+            pre = self._invalid_result if cfg is None else await self.preflight.check(cfg)
+        msg = StartRequested(name, boot=True, preflight=pre)
+        self.post(msg)
+        with contextlib.suppress(CommandError):
+            await msg.reply
         self._persist()
 
     async def _stop_previous_life(self, record: dict[str, Any] | None) -> None:
@@ -448,7 +563,8 @@ class Supervisor:
         except ConfigError as exc:
             raise CommandError(exc.status, _error_name(exc.status), str(exc)) from exc
 
-    async def _on_start(self, name: str | None, boot: bool = False) -> dict[str, Any]:
+    def _on_start(self, msg: StartRequested) -> dict[str, Any]:
+        self._no_swap_under_way()
         if self.state in (S.WAITING_GPU, *RUNNING_STATES):
             current = self.launch.config.name if self.launch else self.intent_config
             raise CommandError(
@@ -456,11 +572,21 @@ class Supervisor:
                 "conflict",
                 f"a server is already {self.state} (config {current}); use restart to swap",
             )
-        name = name or self.intent_config or self.settings.default_config
+        name = msg.config or self.intent_config or self.settings.default_config
+        pre: PreflightResult | None = msg.preflight
+        if pre is not None and not pre.ok:
+            detail = "; ".join(pre.problems) or "preflight failed"
+            self._refuse(name, detail)
+            raise CommandError(
+                422,
+                "preflight_refused",
+                detail,
+                extra={"problems": pre.problems, "warnings": pre.warnings},
+            )
         try:
             cfg = self._resolve(name)
         except CommandError as exc:
-            if exc.status == 422 or boot:
+            if exc.status == 422 or msg.boot:
                 self._refuse(name, exc.detail)
             raise
         self._cancel_backoff()
@@ -469,6 +595,16 @@ class Supervisor:
         self._set_intent(cfg.name, True)
         self._begin_attempt(cfg)
         return {"accepted": True, "config": cfg.name, "state": str(self.state)}
+
+    def _no_swap_under_way(self) -> None:
+        swap = self.swap
+        if swap is not None and swap.active:
+            raise CommandError(
+                409,
+                "conflict",
+                f"swap {swap.id} ({swap.from_config} → {swap.to_config}) is under way "
+                f"({swap.phase}); wait for it, or stop",
+            )
 
     def _refuse(self, name: str | None, detail: str) -> None:
         """A start whose preflight failed: `failed` with `preflight_refused`."""
@@ -488,6 +624,8 @@ class Supervisor:
 
     def _on_stop(self) -> dict[str, Any]:
         self._set_intent(self.intent_config, False)
+        if self.swap is not None and self.swap.active:
+            self._settle_swap("failed", "requested_stop", "stopped on request during the swap")
         launch = self.launch
         if self.state in (S.STOPPED,):
             return {"accepted": True, "state": str(self.state)}
@@ -502,7 +640,22 @@ class Supervisor:
         return {"accepted": True, "state": str(self.state)}
 
     def _on_restart(self, name: str | None) -> dict[str, Any]:
+        self._no_swap_under_way()
         cfg = self._resolve(name or self.intent_config or self.settings.default_config)
+        current = self._current_config()
+        swap = Swap(
+            id=f"swap-{self._launch_seq + 1}-{int(self.clock.time())}",
+            from_config=current,
+            to_config=cfg.name,
+            is_swap=cfg.name != current,
+        )
+        self.swap = swap
+        self.rolled_back_from = None
+        self._event(
+            "swap" if swap.is_swap else "restart",
+            swap_id=swap.id,
+            **{"from": current, "to": cfg.name},
+        )
         self.failures = 0
         self.crash_loop = False
         self._set_intent(cfg.name, True)
@@ -515,7 +668,30 @@ class Supervisor:
             self._cancel_backoff()
             self._cancel_gpu_wait()
             self._begin_attempt(cfg)
-        return {"accepted": True, "config": cfg.name, "state": str(self.state)}
+        return {
+            "accepted": True,
+            "config": cfg.name,
+            "state": str(self.state),
+            "swap_id": swap.id,
+            "_swap": swap,
+        }
+
+    def _settle_swap(self, outcome: str, reason: str | None, evidence: str | None) -> None:
+        swap = self.swap
+        if swap is None:
+            return
+        swap.outcome = {
+            "outcome": outcome,
+            "reason": reason,
+            "evidence": evidence,
+            "launch_ids": list(swap.launch_ids),
+            "swap_id": swap.id,
+            "config": self.intent_config,
+        }
+        swap.phase = "done"
+        if not swap.settled.done():
+            swap.settled.set_result(swap.outcome)
+        self._event("swap_settled", swap_id=swap.id, outcome=outcome, reason=reason)
 
     def _on_shutdown(self, reply: asyncio.Future[Any]) -> None:
         launch = self.launch
@@ -534,9 +710,12 @@ class Supervisor:
 
     # -- a launch attempt -----------------------------------------------------------------------
 
-    def _begin_attempt(self, cfg: ResolvedConfig) -> None:
+    def _begin_attempt(self, cfg: ResolvedConfig, rollback: bool = False) -> None:
         self._gen += 1
-        self.launch = Launch(gen=self._gen, config=cfg)
+        swap = self.swap if self.swap is not None and self.swap.active else None
+        self.launch = Launch(gen=self._gen, config=cfg, swap=swap, rollback=rollback)
+        if swap is not None and swap.phase != "rolling_back":
+            swap.phase = "waiting_gpu"
         if self.state != S.WAITING_GPU:
             self._transition(S.WAITING_GPU, config=cfg.name)
         self._gpu_task = self._spawn(self._wait_for_gpus(self.launch))
@@ -618,6 +797,10 @@ class Supervisor:
             self._fail(launch, Classification("exec_failed", detail))
             return
         launch.child = child
+        if launch.swap is not None:
+            launch.swap.launch_ids.append(launch.launch_id)
+            if launch.swap.phase == "waiting_gpu":
+                launch.swap.phase = "starting"
         launch.started_at = self.clock.time()
         launch.started_mono = self.clock.monotonic()
         child.exited.add_done_callback(
@@ -673,8 +856,20 @@ class Supervisor:
         launch.cancel_tasks()
         took = launch.ready_mono - (launch.started_mono or launch.ready_mono)
         self._transition(S.READY, via=how, time_to_ready_s=round(took, 3))
-        self.last_good_config = launch.config.name
-        self.last_good_launch = launch.launch_id
+        self.ready_times = [*self.ready_times[-99:], took]
+        swap = launch.swap
+        if swap is not None and swap.active and launch.rollback:
+            self._settle_swap("rolled_back", swap.outcome_reason, swap.outcome_evidence)
+        elif swap is not None and swap.active:
+            self._settle_swap("ready", None, f"{launch.config.name} is ready")
+        probation = self.settings.restart.probation_s
+        if swap is not None and swap.is_swap and not launch.rollback and probation > 0:
+            # A swapped-in config becomes last-good only once it has stayed up.
+            launch.on_probation = True
+            self._timer(probation, ProbationOver(launch.gen), launch)
+        else:
+            self.last_good_config = launch.config.name
+            self.last_good_launch = launch.launch_id
         self._persist()
         self._spawn(self._probe_loop(launch, readiness=False), launch)
         self._timer(self.settings.restart.reset_after_s, StableUptime(launch.gen), launch)
@@ -712,6 +907,16 @@ class Supervisor:
                     "liveness_failed", f"{limit} consecutive failed probes; last: {msg.detail}"
                 ),
             )
+
+    def _on_probation_over(self, msg: ProbationOver) -> None:
+        launch = self._current(msg.gen)
+        if launch is None or not launch.on_probation or self.state != S.READY:
+            return
+        launch.on_probation = False
+        self.last_good_config = launch.config.name
+        self.last_good_launch = launch.launch_id
+        self._event("probation_passed", probation_s=self.settings.restart.probation_s)
+        self._persist()
 
     def _on_startup_timeout(self, msg: StartupTimedOut) -> None:
         launch = self._current(msg.gen)
@@ -860,6 +1065,16 @@ class Supervisor:
     def _fail(self, launch: Launch, verdict: Classification, recorded: bool = False) -> None:
         if not recorded:
             self._record_exit(launch, verdict)
+        self.exits_by_reason[verdict.reason] = self.exits_by_reason.get(verdict.reason, 0) + 1
+        swap = launch.swap
+        first_start = swap is not None and swap.is_swap and swap.active and not launch.rollback
+        in_probation = launch.on_probation and launch.ready_mono is not None
+        if first_start or in_probation:
+            self._roll_back(launch, verdict)
+            return
+        if swap is not None and swap.active:
+            # A plain restart, or the rollback itself, failed: the policy takes it from here.
+            self._settle_swap("failed", verdict.reason, verdict.evidence)
         policy = self.settings.restart
         self.failures += 1
         if launch.launch_id:
@@ -887,6 +1102,51 @@ class Supervisor:
             else:
                 self._backoff_task = self._timer(delay, BackoffElapsed(launch.gen))
         self._persist()
+
+    def _roll_back(self, launch: Launch, verdict: Classification) -> None:
+        """A swapped-in config failed its first start or its probation: back to the last good
+        config at once, no backoff."""
+        failed = launch.config.name
+        if launch.launch_id:
+            self.last_failed_launch = launch.launch_id
+        target = self.last_good_config
+        swap = launch.swap
+        if swap is None or swap.outcome is not None:
+            swap = Swap(
+                id=f"rollback-{self._launch_seq}",
+                from_config=failed,
+                to_config=target or failed,
+                is_swap=True,
+            )
+            self.swap = swap
+        swap.outcome = None
+        swap.outcome_reason, swap.outcome_evidence = verdict.reason, verdict.evidence
+        if not target or target == failed:
+            self._transition(
+                S.FAILED,
+                reason=verdict.reason,
+                detail=f"swap to {failed} failed and there is no last good config",
+            )
+            self._settle_swap("failed", verdict.reason, verdict.evidence)
+            self._persist()
+            return
+        try:
+            cfg = self._resolve(target)
+        except CommandError as exc:
+            self._transition(S.FAILED, reason="preflight_refused", detail=exc.detail)
+            self._settle_swap("failed", verdict.reason, verdict.evidence)
+            return
+        swap.phase = "rolling_back"
+        self.rolled_back_from = failed
+        self._event(
+            "rollback",
+            swap_id=swap.id,
+            **{"from": failed, "to": target},
+            reason=verdict.reason,
+            evidence=verdict.evidence,
+        )
+        self._set_intent(target, True)
+        self._begin_attempt(cfg, rollback=True)
 
     def _on_backoff_elapsed(self, msg: BackoffElapsed) -> None:
         if self._current(msg.gen) is None or self.state != S.BACKOFF:
@@ -993,8 +1253,8 @@ class Supervisor:
             "last_exit": self.last_exit,
             "log_file": str(launch.log.path) if launch and launch.log else None,
             "last_good_config": self.last_good_config,
-            "rolled_back_from": None,
-            "swap": None,
+            "rolled_back_from": self.rolled_back_from,
+            "swap": self.swap.view() if self.swap is not None and self.swap.active else None,
             "sweep": None,
             "last_sweep_killed": self.last_sweep_killed,
             "gpus": gpus,
@@ -1019,6 +1279,21 @@ class Supervisor:
         if launch is None or launch.log is None:
             return []
         return [launch.redactor.text(e.text) for e in launch.log.ring.tail(n)]
+
+    def current_redactor(self) -> Redactor:
+        return self.launch.redactor if self.launch is not None else Redactor()
+
+    def redactor_for(self, config: str | None) -> Redactor:
+        """A redactor for an earlier launch's log: its config's secrets (if it still resolves)
+        and the generic key=value rules."""
+        redactor = Redactor()
+        if config:
+            with contextlib.suppress(ConfigError):
+                cfg = self.configs.load(config)
+                redactor.add(secret_values(cfg.argv, cfg.env))
+        if self.launch is not None:
+            redactor.add(self.launch.redactor._secrets)
+        return redactor
 
     @property
     def log_path(self) -> Path | None:

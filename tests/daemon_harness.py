@@ -34,7 +34,7 @@ def standin_config(
     from .conftest import free_port  # noqa: PLC0415
 
     args: dict[str, Any] = {
-        "model-path": "/models/fake",
+        "model-path": "fake-org/fake-model",
         "port": port or free_port(),
         "standin-time-scale": scale,
     }

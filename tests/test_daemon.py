@@ -46,7 +46,7 @@ def test_crash_during_load_backs_off_and_relaunches(procs, tmp_path: Path, fake_
     d.wait_event("server.crash_loop", timeout=30)  # the third failure in a row
 
 
-def test_unknown_flag_fails_at_once_with_the_argparse_line(
+def test_unknown_flag_is_refused_by_preflight_at_boot(
     procs, tmp_path: Path, fake_gpu: Path
 ) -> None:  # type: ignore[no-untyped-def]
     d = start_daemon(
@@ -56,6 +56,20 @@ def test_unknown_flag_fails_at_once_with_the_argparse_line(
         {"bad": standin_config("--speculative-eagle-top-k=4")},
         default="bad",
     )
+    d.wait_state("failed", reason="preflight_refused")
+    st = d.status()
+    assert st["last_exit"]["reason"] == "preflight_refused"
+    assert st["last_exit"]["evidence"] == (
+        "sglang serve: error: unrecognized arguments: --speculative-eagle-top-k 4"
+    )
+    assert not [r for r in d.records() if r.get("event") == "server.launch"]
+
+
+def test_unknown_flag_without_preflight_fails_at_once_with_the_argparse_line(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:
+    cfg = standin_config("--speculative-eagle-top-k=4", preflight={"argv": False})
+    d = start_daemon(procs, tmp_path, fake_gpu, {"bad": cfg}, default="bad")
     failed = d.wait_state("failed", reason="config_error")
     st = d.status()
     assert st["state"] == "failed"
@@ -64,6 +78,8 @@ def test_unknown_flag_fails_at_once_with_the_argparse_line(
     assert st["last_exit"]["evidence"].endswith(
         "error: unrecognized arguments: --speculative-eagle-top-k 4"
     )
+    launches = [r for r in d.records() if r.get("event") == "server.launch"]
+    assert len(launches) == 1  # not retried blindly
     assert not [r for r in d.records()[failed["_index"] :] if r.get("event") == "server.launch"]
 
 

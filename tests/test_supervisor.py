@@ -18,6 +18,7 @@ import yaml
 from gpuwarden.daemon.gpu import FakeGpuBackend
 from gpuwarden.daemon.health import ProbeResult
 from gpuwarden.daemon.policy import backoff_delay
+from gpuwarden.daemon.preflight import Preflight, PreflightResult
 from gpuwarden.daemon.serverlog import RING_BYTES, RING_LINES
 from gpuwarden.daemon.settings import Settings
 from gpuwarden.daemon.states import ServerState as S
@@ -53,6 +54,13 @@ class FakeClock:
             _, _, fut = heapq.heappop(self._sleepers)
             if not fut.done():
                 fut.set_result(None)
+
+
+class PassPreflight(Preflight):
+    """Lets every config through, so a test can watch the server fail for real."""
+
+    async def check(self, cfg: Any, replacing_port: int | None = None) -> PreflightResult:
+        return PreflightResult(ok=True, method="skipped")
 
 
 class NeverProbe:
@@ -291,7 +299,7 @@ async def test_each_reason_is_recognised_from_real_output(
     fields = dict(fields)
     scale = fields.pop("scale", 0.01)
     cfg = standin_config(*flags, scale=scale, **fields)
-    async with running(tmp_path, fake_gpu, {case: cfg}) as sup:
+    async with running(tmp_path, fake_gpu, {case: cfg}, preflight=PassPreflight()) as sup:
         await sup.start(case)
         exit_event = await wait_event(sup, "exit", timeout=30)
         assert exit_event["reason"] == reason, exit_event
@@ -304,7 +312,7 @@ async def test_port_in_use_is_recognised(tmp_path: Path, fake_gpu: Path) -> None
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         cfg = standin_config(port=busy.getsockname()[1])
-        async with running(tmp_path, fake_gpu, {"p": cfg}) as sup:
+        async with running(tmp_path, fake_gpu, {"p": cfg}, preflight=PassPreflight()) as sup:
             await sup.start("p")
             ex = await wait_event(sup, "exit")
             assert ex["reason"] == "port_in_use"

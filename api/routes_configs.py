@@ -1,0 +1,69 @@
+"""Named configs: list, view (resolved, secrets masked), preflight check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from gpuwarden.api.deps import SupervisorDep
+from gpuwarden.api.models import errors
+from gpuwarden.daemon.configs import ConfigError
+from gpuwarden.daemon.supervisor import CommandError
+
+router = APIRouter(tags=["configs"])
+
+
+class ConfigList(BaseModel):
+    configs: list[str]
+    current: str | None
+    last_good: str | None
+
+
+class CheckResult(BaseModel):
+    ok: bool
+    problems: list[str] = []
+    warnings: list[str] = []
+    method: str = ""
+
+
+@router.get("/configs", summary="Config names", responses=errors(401))
+async def list_configs(supervisor: SupervisorDep) -> ConfigList:
+    return ConfigList(
+        configs=supervisor.configs.names(),
+        current=supervisor.intent_config,
+        last_good=supervisor.last_good_config,
+    )
+
+
+@router.get(
+    "/configs/{name}",
+    summary="One config resolved (extends applied), with its argv; secrets masked",
+    responses=errors(400, 401, 404, 422),
+)
+async def get_config(name: str, supervisor: SupervisorDep) -> dict[str, Any]:
+    try:
+        return supervisor.configs.load(name).view()
+    except ConfigError as exc:
+        raise CommandError(
+            exc.status,
+            "invalid_config"
+            if exc.status == 422
+            else ("not_found" if exc.status == 404 else "bad_request"),
+            str(exc),
+        ) from exc
+
+
+@router.post(
+    "/configs/{name}/check",
+    summary="The preflight, without touching the running server",
+    responses={**errors(400, 401, 404), 422: {"model": CheckResult, "description": "refused"}},
+)
+async def check_config(name: str, supervisor: SupervisorDep) -> Any:
+    result = await supervisor.check(name)
+    body = CheckResult(**result.to_json())
+    if not result.ok:
+        return JSONResponse(body.model_dump(), status_code=422)
+    return body

@@ -1,0 +1,134 @@
+"""Events (launches, exits, restarts, swaps, rollbacks, ...) and Prometheus metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from pydantic import BaseModel
+
+from gpuwarden.api.deps import SupervisorDep
+from gpuwarden.api.models import errors
+from gpuwarden.daemon.states import ServerState
+from gpuwarden.daemon.supervisor import Supervisor
+
+router = APIRouter(tags=["events"])
+
+
+class EventList(BaseModel):
+    events: list[dict[str, Any]]
+
+
+@router.get(
+    "/events",
+    summary="Recent events, oldest first (persisted in events.jsonl)",
+    responses=errors(400, 401),
+)
+async def events(
+    supervisor: SupervisorDep,
+    limit: Annotated[int, Query(ge=1, le=2000)] = 100,
+    kind: Annotated[str | None, Query(description="only events of this kind")] = None,
+) -> EventList:
+    return EventList(events=supervisor.events.recent(limit, kind))
+
+
+class SupervisorCollector(Collector):
+    """Reads the supervisor's state at scrape time; nothing is updated on the hot path."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.sup = supervisor
+
+    def collect(self) -> Iterator[Metric]:
+        sup = self.sup
+        state = GaugeMetricFamily(
+            "gpuwarden_state", "1 for the server's current state", labels=["state"]
+        )
+        for st in ServerState:
+            state.add_metric([str(st)], 1.0 if sup.state == st else 0.0)
+        yield state
+        restarts = CounterMetricFamily("gpuwarden_restarts", "Relaunches by the supervisor")
+        restarts.add_metric([], sup.restarts)
+        yield restarts
+        exits = CounterMetricFamily(
+            "gpuwarden_failures_by_reason", "Failed launches by reason", labels=["reason"]
+        )
+        for reason, n in sorted(sup.exits_by_reason.items()):
+            exits.add_metric([reason], n)
+        yield exits
+        yield GaugeMetricFamily(
+            "gpuwarden_consecutive_failures", "Failures in a row", value=sup.failures
+        )
+        yield GaugeMetricFamily(
+            "gpuwarden_crash_loop", "1 while in a crash loop", value=1.0 if sup.crash_loop else 0.0
+        )
+        status = sup.status()
+        if status["uptime_s"] is not None:
+            yield GaugeMetricFamily(
+                "gpuwarden_server_uptime_seconds", "Time since ready", value=status["uptime_s"]
+            )
+        if sup.ready_times:
+            ready = GaugeMetricFamily(
+                "gpuwarden_time_to_ready_seconds", "Launch to ready, the last launch"
+            )
+            ready.add_metric([], sup.ready_times[-1])
+            yield ready
+        last = sup.last_exit or {}
+        if last.get("code") is not None or last.get("signal") is not None:
+            code = last.get("code") if last.get("code") is not None else -int(last["signal"])
+            yield GaugeMetricFamily(
+                "gpuwarden_last_exit_code",
+                "The last exit's code (negative: the signal)",
+                value=code,
+            )
+        metrics = status.get("server_metrics") or {}
+        for key, name, doc in (
+            (
+                "gen_throughput_tok_s",
+                "gpuwarden_server_gen_throughput_tokens_per_second",
+                "The server's gen throughput from its last Decode batch line",
+            ),
+            (
+                "accept_len",
+                "gpuwarden_server_accept_length",
+                "Speculative accept length from the last Decode batch line",
+            ),
+            ("running_req", "gpuwarden_server_running_requests", "#running-req"),
+            ("queue_req", "gpuwarden_server_queued_requests", "#queue-req"),
+        ):
+            if key in metrics:
+                yield GaugeMetricFamily(name, doc, value=float(metrics[key]))
+        used = GaugeMetricFamily(
+            "gpuwarden_gpu_memory_used_mib", "GPU memory used", labels=["gpu", "uuid"]
+        )
+        total = GaugeMetricFamily(
+            "gpuwarden_gpu_memory_total_mib", "GPU memory", labels=["gpu", "uuid"]
+        )
+        for g in status["gpus"]:
+            used.add_metric([str(g["index"]), g["uuid"]], g["used_mib"])
+            total.add_metric([str(g["index"]), g["uuid"]], g["total_mib"])
+        yield used
+        yield total
+
+
+def metrics_registry(supervisor: Supervisor) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SupervisorCollector(supervisor))
+    return registry
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus text exposition",
+    response_class=Response,
+    responses={**errors(401), 200: {"content": {"text/plain": {}}}},
+)
+async def metrics(request: Request) -> Response:
+    registry: CollectorRegistry = request.app.state.metrics
+    return Response(
+        generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8"
+    )

@@ -1,0 +1,323 @@
+"""The CLI commands that talk to a running daemon over HTTP.
+
+Readable tables by default, ``--json`` for scripts. Exit codes: 0 ok, 1 failed (a one-line
+reason on stderr; a ``restart --wait`` that ended in a rollback is a failure), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8600"
+
+
+class ClientError(Exception):
+    pass
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--url",
+        default=os.environ.get("GPUWARDEN_URL", DEFAULT_URL),
+        help=f"the daemon (default {DEFAULT_URL}, or $GPUWARDEN_URL)",
+    )
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help="bearer token file (default: $GPUWARDEN_TOKEN)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("status", help="the server's state, config, last exit and GPUs")
+    add_common(p)
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("restart", help="restart the current config, or swap to CONFIG")
+    p.add_argument("config", nargs="?")
+    p.add_argument("--wait", action="store_true", help="wait for the outcome (1 if not ready)")
+    add_common(p)
+    p.set_defaults(func=cmd_restart)
+
+    p = sub.add_parser("start", help="start CONFIG (or the saved one)")
+    p.add_argument("config", nargs="?")
+    add_common(p)
+    p.set_defaults(func=cmd_start)
+
+    p = sub.add_parser("stop", help="stop the server and leave it stopped")
+    add_common(p)
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("logs", help="the server's log")
+    p.add_argument("-n", "--lines", type=int, default=100)
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    p.add_argument("--launch", default=None, help="a launch id, or `previous`")
+    add_common(p)
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("events", help="recent events")
+    p.add_argument("-n", "--limit", type=int, default=30)
+    add_common(p)
+    p.set_defaults(func=cmd_events)
+
+    p = sub.add_parser("configs", help="the named configs")
+    add_common(p)
+    p.set_defaults(func=cmd_configs)
+
+    p = sub.add_parser("check", help="preflight CONFIG without touching the running server")
+    p.add_argument("config")
+    p.add_argument("--offline", action="store_true", help="check here, without a daemon")
+    p.add_argument("--settings", type=Path, default=None, help="settings (with --offline)")
+    add_common(p)
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("dump", help="the diagnostic dump")
+    add_common(p)
+    p.set_defaults(func=cmd_dump)
+
+
+def _client(args: argparse.Namespace, timeout: float | None = 30.0) -> httpx.Client:
+    token = os.environ.get("GPUWARDEN_TOKEN")
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as exc:
+            raise ClientError(f"{args.token_file}: {exc.strerror}") from exc
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=args.url, headers=headers, timeout=timeout, trust_env=False)
+
+
+def _call(
+    args: argparse.Namespace,
+    method: str,
+    path: str,
+    *,
+    ok: tuple[int, ...] = (200, 202),
+    timeout: float | None = 30.0,
+    **kw: Any,
+) -> httpx.Response:
+    try:
+        with _client(args, timeout) as c:
+            res = c.request(method, path, **kw)
+    except httpx.ConnectError as exc:
+        raise ClientError(f"cannot reach the daemon at {args.url}: {exc}") from exc
+    except httpx.HTTPError as exc:
+        raise ClientError(f"{method} {path}: {exc}") from exc
+    if res.status_code not in ok:
+        try:
+            body = res.json()
+            detail = body.get("detail")
+            reason = f"{body.get('error', res.status_code)}: {detail}"
+        except ValueError:
+            reason = f"{res.status_code} {res.text[:200]}"
+        raise ClientError(reason)
+    return res
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def _table(rows: Sequence[tuple[str, ...]], headers: tuple[str, ...]) -> None:
+    from rich.console import Console  # noqa: PLC0415 - only where tables are printed
+    from rich.table import Table  # noqa: PLC0415
+
+    table = Table(*headers, box=None, pad_edge=False, show_header=True, header_style="bold")
+    for row in rows:
+        table.add_row(*row)
+    Console(width=max(100, Console().width)).print(table)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    st = _call(args, "GET", "/status").json()
+    if args.json:
+        _print_json(st)
+        return 0
+    last = st.get("last_exit") or {}
+    rows = [
+        ("state", st["state"] + ("  (crash loop)" if st.get("crash_loop") else "")),
+        ("config", str(st.get("config"))),
+        ("pid", str(st.get("pid") or "-")),
+        ("launch", str(st.get("launch_id") or "-")),
+        ("uptime", f"{st['uptime_s']:.0f} s" if st.get("uptime_s") is not None else "-"),
+        ("restarts / failures", f"{st.get('restarts')} / {st.get('failures')}"),
+        ("next retry", str(st.get("next_retry_at") or "-")),
+        ("last good config", str(st.get("last_good_config") or "-")),
+        ("last exit", f"{last.get('reason')}: {last.get('evidence')}" if last else "-"),
+        ("log file", str(st.get("log_file") or "-")),
+    ]
+    if st.get("swap"):
+        sw = st["swap"]
+        rows.append(("swap", f"{sw['id']}: {sw['from']} -> {sw['to']} ({sw['phase']})"))
+    if st.get("rolled_back_from"):
+        rows.append(("rolled back from", st["rolled_back_from"]))
+    metrics = st.get("server_metrics") or {}
+    if metrics:
+        rows.append(("server", ", ".join(f"{k}={v}" for k, v in metrics.items() if k != "at")))
+    for g in st.get("gpus") or []:
+        holders = ", ".join(
+            f"{p['pid']}{'*' if p['ours'] else ''} {p['used_mib']} MiB" for p in g["processes"]
+        )
+        rows.append((f"gpu {g['index']}", f"{g['used_mib']}/{g['total_mib']} MiB  {holders}"))
+    _table(rows, ("", ""))
+    return 0
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    params: dict[str, Any] = {"wait": "true" if args.wait else "false"}
+    if args.config:
+        params["config"] = args.config
+    res = _call(args, "POST", "/restart", params=params, timeout=None if args.wait else 30.0)
+    data = res.json()
+    if args.json:
+        _print_json(data)
+    elif args.wait:
+        print(f"{data['outcome']}: {data.get('evidence') or data.get('reason') or ''}".rstrip(": "))
+    else:
+        print(f"accepted: {data.get('swap_id')} -> {data.get('config')} ({data.get('state')})")
+    if args.wait and data.get("outcome") != "ready":
+        print(
+            f"gpuwarden: restart ended {data.get('outcome')}: {data.get('reason')}", file=sys.stderr
+        )
+        return 1
+    return 0
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    params = {"config": args.config} if args.config else {}
+    data = _call(args, "POST", "/start", params=params).json()
+    _print_json(data) if args.json else print(f"starting {data.get('config')} ({data['state']})")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    data = _call(args, "POST", "/stop").json()
+    _print_json(data) if args.json else print(f"stopping ({data['state']})")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    if args.follow:
+        return _follow(args)
+    params: dict[str, Any] = {"lines": args.lines}
+    if args.launch:
+        params["launch"] = args.launch
+    data = _call(args, "GET", "/logs", params=params).json()
+    if args.json:
+        _print_json(data)
+        return 0
+    for line in data["lines"]:
+        print(line)
+    if data.get("note"):
+        print(f"({data['note']})", file=sys.stderr)
+    return 0
+
+
+def _follow(args: argparse.Namespace) -> int:
+    try:
+        with (
+            _client(args, timeout=None) as c,
+            c.stream("GET", "/logs/stream", params={"history": args.lines}) as res,
+        ):
+            if res.status_code != 200:
+                raise ClientError(f"/logs/stream: {res.status_code}")
+            event = "line"
+            for raw in res.iter_lines():
+                if raw.startswith("event: "):
+                    event = raw[7:]
+                elif raw.startswith("data: "):
+                    text = raw[6:]
+                    print(text if event == "line" else f"({text})", flush=True)
+    except httpx.ConnectError as exc:
+        raise ClientError(f"cannot reach the daemon at {args.url}: {exc}") from exc
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    data = _call(args, "GET", "/events", params={"limit": args.limit}).json()
+    if args.json:
+        _print_json(data)
+        return 0
+    rows = []
+    for e in data["events"]:
+        rest = {
+            k: v for k, v in e.items() if k not in ("seq", "ts", "event", "config", "launch_id")
+        }
+        summary = " ".join(f"{k}={v}" for k, v in rest.items())
+        rows.append(
+            (str(e.get("ts", ""))[11:23], e["event"], str(e.get("config") or ""), summary[:110])
+        )
+    _table(rows, ("time", "event", "config", ""))
+    return 0
+
+
+def cmd_configs(args: argparse.Namespace) -> int:
+    data = _call(args, "GET", "/configs").json()
+    if args.json:
+        _print_json(data)
+        return 0
+    for name in data["configs"]:
+        marks = []
+        if name == data.get("current"):
+            marks.append("current")
+        if name == data.get("last_good"):
+            marks.append("last good")
+        print(name + (f"  ({', '.join(marks)})" if marks else ""))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    if args.offline:
+        data = asyncio.run(_check_offline(args))
+    else:
+        data = _call(args, "POST", f"/configs/{args.config}/check", ok=(200, 422)).json()
+    if args.json:
+        _print_json(data)
+    else:
+        print(f"{args.config}: {'ok' if data['ok'] else 'refused'}")
+        for problem in data.get("problems", []):
+            print(f"  problem: {problem}")
+        for warning in data.get("warnings", []):
+            print(f"  warning: {warning}")
+    return 0 if data["ok"] else 1
+
+
+async def _check_offline(args: argparse.Namespace) -> dict[str, Any]:
+    from gpuwarden.daemon.configs import ConfigError, ConfigStore  # noqa: PLC0415
+    from gpuwarden.daemon.preflight import Preflight  # noqa: PLC0415
+    from gpuwarden.daemon.settings import SettingsError, load_settings  # noqa: PLC0415
+
+    try:
+        settings = load_settings(args.settings)
+        cfg = ConfigStore(settings.configs_dir).load(args.config)
+    except (SettingsError, ConfigError) as exc:
+        return {"ok": False, "problems": [str(exc)], "warnings": []}
+    return (await Preflight().check(cfg)).to_json()
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    headers = {"Accept": "application/json"} if args.json else {}
+    res = _call(args, "GET", "/dump", headers=headers)
+    print(res.text)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return int(args.func(args))
+    except ClientError as exc:
+        print(f"gpuwarden: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,321 @@
+"""Preflight: will this config's server accept its argv, and can it start here?
+
+Exact when possible: a small script run by the *server's* interpreter builds the server's own
+argparse parser (SGLang: ``ServerArgs.add_cli_args``; the stand-in: its ``add_cli_args``) and
+dumps its options (strings, nargs, type, choices). The config's argv is then parsed by an
+equivalent parser here, abbreviations and all, so ``--tp 2`` passes and
+``--speculative-eagle-top-k 4`` fails in milliseconds instead of after seconds of imports.
+Otherwise the options are rebuilt from ``--help`` (types unknown: a warning says so).
+Results are cached per interpreter, package version and version-selecting flags.
+
+Also checked: local model and draft paths exist; the port is free or held by the server being
+replaced. Every problem is reported, in SGLang's wording where SGLang has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpuwarden.daemon.argspec import KIND_HELP, OptionSpec, add_specs, parse_help
+from gpuwarden.daemon.configs import ResolvedConfig
+
+INTROSPECT_TIMEOUT_S = 120.0
+
+# Each known server: how its interpreter builds the parser. The script prints one JSON object.
+_DUMP_ACTIONS = r"""
+def _dump(parser, prog, version):
+    import argparse, json
+    out = []
+    for a in parser._actions:
+        if not a.option_strings:
+            continue
+        if isinstance(a, argparse._HelpAction):
+            kind = "help"
+        elif isinstance(a, getattr(argparse, "BooleanOptionalAction", ())):
+            kind = "boolean_optional"
+        elif a.nargs == 0:
+            kind = "store_true"
+        else:
+            kind = "store"
+        t = a.type
+        tname = {int: "int", float: "float", str: "str"}.get(t, None if t is None else "callable")
+        strings = [s for s in a.option_strings
+                   if not (kind == "boolean_optional" and s.startswith("--no-"))]
+        out.append({"strings": strings, "kind": kind, "nargs": a.nargs if kind == "store" else 0,
+                    "choices": None if a.choices is None else [str(c) for c in a.choices],
+                    "type": tname, "dest": a.dest, "required": bool(a.required)})
+    print(json.dumps({"prog": prog, "version": version, "options": out}))
+"""
+
+_SCRIPTS = {
+    "sglang.launch_server": _DUMP_ACTIONS
+    + r"""
+import argparse, importlib.metadata as md
+from sglang.srt.server_args import ServerArgs
+v = md.version("sglang")
+num = tuple(int(x) for x in v.split(".")[:3] if x.isdigit())
+prog = "sglang serve" if num >= (0, 5, 12) else "launch_server.py"
+p = argparse.ArgumentParser(prog=prog)
+ServerArgs.add_cli_args(p)
+_dump(p, prog, v)
+""",
+    "gpuwarden.standin": _DUMP_ACTIONS
+    + r"""
+import argparse, sys, importlib.metadata as md
+from gpuwarden.standin import cli
+from gpuwarden.standin.versions import PROFILES
+version = sys.argv[1]
+p = cli.build_parser(version)
+_dump(p, PROFILES[version].prog, md.version("gpuwarden") + "+sglang-" + version)
+""",
+}
+
+
+_PACKAGES = {"sglang.launch_server": "sglang", "gpuwarden.standin": "gpuwarden"}
+
+
+@dataclass
+class PreflightResult:
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    method: str = ""  # "parser" (exact) | "help" | "skipped"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "problems": self.problems,
+            "warnings": self.warnings,
+            "method": self.method,
+        }
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse would print usage and exit 2
+        raise _ParseError(f"{self.prog}: error: {message}")
+
+
+class _ParseError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ServerCli:
+    """Where a config's server program ends and its arguments begin."""
+
+    interpreter: str | None  # for `python -m module` commands
+    module: str | None
+    program: list[str]  # the argv prefix that runs the server
+    args: list[str]
+
+
+def split_command(argv: Sequence[str]) -> ServerCli:
+    argv = list(argv)
+    exe = Path(argv[0]).name
+    if exe.startswith("python") and len(argv) >= 3 and argv[1] == "-m":
+        return ServerCli(argv[0], argv[2], argv[:3], argv[3:])
+    if exe == "sglang" and len(argv) >= 2 and argv[1] == "serve":
+        return ServerCli(None, "sglang.launch_server", argv[:2], argv[2:])
+    if exe.startswith("python") and len(argv) >= 2 and not argv[1].startswith("-"):
+        return ServerCli(None, None, argv[:2], argv[2:])  # python script.py ...
+    return ServerCli(None, None, argv[:1], argv[1:])
+
+
+def _version_flags(args: Sequence[str]) -> tuple[str, ...]:
+    """Flags that select the parser itself (the stand-in's --standin-version)."""
+    out: list[str] = []
+    for i, a in enumerate(args):
+        if a == "--standin-version" and i + 1 < len(args):
+            out.append(args[i + 1])
+        elif a.startswith("--standin-version="):
+            out.append(a.split("=", 1)[1])
+    return tuple(out)
+
+
+@dataclass
+class ParserSpec:
+    prog: str
+    version: str
+    options: list[OptionSpec]
+    exact: bool
+
+
+class Preflight:
+    """Builds (and caches) server parsers, and checks configs against them."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[Any, ...], ParserSpec] = {}
+
+    async def _run(
+        self, argv: list[str], timeout_s: float, env: dict[str, str]
+    ) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+        from gpuwarden.daemon.child import owned  # noqa: PLC0415
+
+        with owned(proc.pid):
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, 9)
+                await proc.wait()
+                return -1, "", f"no answer within {timeout_s:g} s"
+        return proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")
+
+    async def parser_for(self, cfg: ResolvedConfig) -> tuple[ParserSpec | None, list[str]]:
+        """The server's options, and warnings about how they were obtained."""
+        cli = split_command(cfg.argv)
+        env = {**os.environ, **cfg.env}
+        warnings: list[str] = []
+        if cli.module in _SCRIPTS and cli.interpreter is not None:
+            interp = shutil.which(cli.interpreter) or cli.interpreter
+            vflags = _version_flags(cli.args)
+            try:
+                stamp = Path(interp).resolve().stat().st_mtime_ns  # noqa: ASYNC240 - one stat
+            except OSError:
+                stamp = 0
+            # The package version is part of the key: ask the interpreter (cheap), then cache.
+            probe = f"import importlib.metadata as m; print(m.version({_PACKAGES[cli.module]!r}))"
+            code, ver, _ = await self._run([interp, "-c", probe], 30, env)
+            key: tuple[Any, ...] = (interp, stamp, cli.module, ver.strip(), vflags)
+            if code == 0 and key in self._cache:
+                return self._cache[key], warnings
+            version_arg = list(vflags[-1:])
+            if cli.module == "gpuwarden.standin" and not version_arg:
+                version_arg = ["0.5.23"]
+            code, out, err = await self._run(
+                [interp, "-c", _SCRIPTS[cli.module], *version_arg], INTROSPECT_TIMEOUT_S, env
+            )
+            if code == 0:
+                try:
+                    data = json.loads(out.strip().splitlines()[-1])
+                    spec = ParserSpec(
+                        prog=data["prog"],
+                        version=data["version"],
+                        options=[OptionSpec.from_json(o) for o in data["options"]],
+                        exact=True,
+                    )
+                    self._cache[key] = spec
+                    return spec, warnings
+                except (ValueError, KeyError, IndexError) as exc:
+                    warnings.append(
+                        f"could not read the server's parser dump ({exc}); using --help"
+                    )
+            else:
+                last = (err.strip().splitlines() or ["(no output)"])[-1]
+                warnings.append(
+                    f"{interp} cannot build {cli.module}'s parser ({last}); using --help"
+                )
+        # Rebuild from --help.
+        key = ("help", *cli.program, _version_flags(cli.args))
+        if key in self._cache:
+            spec = self._cache[key]
+            return spec, [*warnings, "options rebuilt from --help: value types are not checked"]
+        code, out, err = await self._run(
+            [*cli.program, *_help_extra(cli.args), "--help"], INTROSPECT_TIMEOUT_S, env
+        )
+        options = [o for o in parse_help(out) if o.kind != KIND_HELP]
+        if code != 0 or not options:
+            program = " ".join(cli.program)
+            why = (err.strip().splitlines() or [f"exit {code}"])[-1]
+            return None, [
+                *warnings,
+                f"`{program} --help` gave no options ({why}); the argv was not checked",
+            ]
+        prog = cli.program[-1]
+        if "usage: " in out:
+            prog = out.split("usage: ", 1)[1].split(" [", 1)[0].strip()
+        spec = ParserSpec(prog=prog, version="", options=options, exact=False)
+        self._cache[key] = spec
+        return spec, [*warnings, "options rebuilt from --help: value types are not checked"]
+
+    async def check(
+        self, cfg: ResolvedConfig, replacing_port: int | None = None
+    ) -> PreflightResult:
+        result = PreflightResult(ok=True)
+        if cfg.config.preflight.argv:
+            spec, warnings = await self.parser_for(cfg)
+            result.warnings += warnings
+            if spec is not None:
+                result.method = "parser" if spec.exact else "help"
+                result.problems += check_argv(spec, split_command(cfg.argv).args)
+        else:
+            result.method = "skipped"
+            result.warnings.append("preflight.argv is false: the argv was not checked")
+        result.problems += check_paths(cfg)
+        port_problem = check_port(cfg.host, cfg.port, replacing_port)
+        if port_problem:
+            result.problems.append(port_problem)
+        result.ok = not result.problems
+        return result
+
+
+def _help_extra(args: Sequence[str]) -> list[str]:
+    flags = _version_flags(args)
+    return ["--standin-version", flags[-1]] if flags else []
+
+
+def check_argv(spec: ParserSpec, args: list[str]) -> list[str]:
+    parser = _RaisingParser(prog=spec.prog, add_help=False)
+    add_specs(parser, spec.options)
+    problems: list[str] = []
+    try:
+        _, unknown = parser.parse_known_args(args)
+        if unknown:
+            problems.append(f"{spec.prog}: error: unrecognized arguments: {' '.join(unknown)}")
+    except _ParseError as exc:
+        problems.append(str(exc))
+    return problems
+
+
+def _local(path: str) -> bool:
+    return path.startswith(("/", "./", "../", "~"))
+
+
+def check_paths(cfg: ResolvedConfig) -> list[str]:
+    problems = []
+    for key in (
+        "model-path",
+        "model",
+        "speculative-draft-model-path",
+        "speculative-draft-model",
+        "tokenizer-path",
+    ):
+        value = cfg.config.args.get(key)
+        if isinstance(value, str) and _local(value) and not Path(value).expanduser().exists():
+            problems.append(f"--{key} {value}: no such file or directory")
+    return problems
+
+
+def check_port(host: str, port: int, replacing_port: int | None) -> str | None:
+    if replacing_port == port:
+        return None  # held by the server being replaced
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return (
+                f"[Errno {exc.errno}] error while attempting to bind on address "
+                f"('{host}', {port}): {(exc.strerror or '').lower()} "
+                "(another process holds the port)"
+            )
+    return None
