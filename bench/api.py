@@ -13,7 +13,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from core import PY, Daemon, pct, ts  # noqa: E402
+from core import PY, Daemon, pct, ts
 
 
 def standin(port: int, *extra: str) -> dict[str, Any]:
