@@ -38,7 +38,7 @@ def standin(port: int, *extra: str) -> dict[str, Any]:
 
 def bench_status(tmp: Path, seconds: float, rate: float) -> dict[str, Any]:
     # A flood long enough to outlast the measurement (about 1.5 M lines/s at most here).
-    d = Daemon(tmp / "status", {"flood": standin(31555, "standin-flood=4000000")}, "flood")
+    d = Daemon(tmp / "status", {"flood": standin(31555, "standin-flood=6000000")}, "flood")
     lat: list[float] = []
     try:
         d.wait_for(lambda r: any(x.get("to") == "ready" for x in r))
@@ -107,7 +107,7 @@ def bench_swap(tmp: Path, swaps: int) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--rate", type=float, default=200.0)
     ap.add_argument("--swaps", type=int, default=10)
     args = ap.parse_args()

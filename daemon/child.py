@@ -28,6 +28,7 @@ import psutil
 LAUNCH_ENV = "GPUWARDEN_LAUNCH_ID"
 F_SETPIPE_SZ = 1031
 PIPE_SIZE = 1 << 20
+READ_SIZE = 64 * 1024
 PR_SET_CHILD_SUBREAPER = 36
 PR_GET_CHILD_SUBREAPER = 37
 
@@ -202,6 +203,9 @@ async def spawn(
     for fd in (1, 2):  # room for bursts: the child blocks less while we process a chunk
         pipe = transport.get_pipe_transport(fd)
         if pipe is not None:
+            # Smaller reads than asyncio's 256 KiB let other callbacks (the API) run between
+            # chunks during a flood; the cost per byte barely changes.
+            pipe.max_size = READ_SIZE  # type: ignore[attr-defined]
             # The pipe may already be closed: a child that exits at once.
             with contextlib.suppress(OSError, AttributeError, ValueError):
                 fcntl.fcntl(pipe.get_extra_info("pipe").fileno(), F_SETPIPE_SZ, PIPE_SIZE)

@@ -226,6 +226,7 @@ class Supervisor:
         self.rolled_back_from: str | None = None
         self.exits_by_reason: dict[str, int] = {}
         self.ready_times: list[float] = []
+        self._tree_cache: tuple[int, float, set[int]] | None = None
 
     # -- public: thin clients of the owner task ---------------------------------------------------
 
@@ -654,7 +655,8 @@ class Supervisor:
         self._event(
             "swap" if swap.is_swap else "restart",
             swap_id=swap.id,
-            **{"from": current, "to": cfg.name},
+            from_config=current,
+            to_config=cfg.name,
         )
         self.failures = 0
         self.crash_loop = False
@@ -1141,7 +1143,8 @@ class Supervisor:
         self._event(
             "rollback",
             swap_id=swap.id,
-            **{"from": failed, "to": target},
+            from_config=failed,
+            to_config=target,
             reason=verdict.reason,
             evidence=verdict.evidence,
         )
@@ -1264,14 +1267,20 @@ class Supervisor:
         }
 
     def _our_pids(self) -> set[int]:
+        """The running launch's process tree, walked at most once a second (a /proc scan)."""
         launch = self.launch
         if launch is None or launch.child is None or launch.exited:
             return set()
+        now = time.monotonic()
+        cached = self._tree_cache
+        if cached is not None and cached[0] == launch.gen and now - cached[1] < 1.0:
+            return cached[2]
         pids = {launch.child.pid}
         with contextlib.suppress(Exception):
             import psutil  # noqa: PLC0415
 
             pids.update(c.pid for c in psutil.Process(launch.child.pid).children(recursive=True))
+        self._tree_cache = (launch.gen, now, pids)
         return pids
 
     def ring_lines(self, n: int) -> list[str]:

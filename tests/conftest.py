@@ -157,13 +157,37 @@ class Proc:
             self.popen.wait(5)
 
 
+def launched_since(t0: float) -> list[int]:
+    """Live processes started since `t0` that carry a gpuwarden launch id (servers we ran)."""
+    found = []
+    for pid in psutil.pids():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if b"GPUWARDEN_LAUNCH_ID=" not in f.read():
+                    continue
+            proc = psutil.Process(pid)
+            if proc.create_time() >= t0 and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(pid)
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
 @pytest.fixture
 def procs() -> Iterator[list[Proc]]:
-    """Children started by a test; afterwards no member of their process groups may be alive."""
+    """Children started by a test; afterwards no member of their process groups, and no server
+    a daemon of theirs launched, may be alive. Each child gets SIGTERM first (a daemon then
+    stops its server), SIGKILL to its group only if it does not exit."""
+    t0 = time.time() - 1
     started: list[Proc] = []
     yield started
     leftovers: dict[int, list[int]] = {}
     for proc in started:
+        if proc.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(20)
         if proc.popen.poll() is None:
             proc.kill_group()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -176,7 +200,12 @@ def procs() -> Iterator[list[Proc]]:
             leftovers[proc.pid] = members
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+    servers = launched_since(t0)
+    for pid in servers:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
     assert not leftovers, f"process groups outlived the test: {leftovers}"
+    assert not servers, f"servers outlived the test: {servers}"
 
 
 @pytest.fixture

@@ -97,7 +97,7 @@ def test_swap_whose_config_crashes_during_load_rolls_back_at_once(  # type: igno
     assert "CUDA out of memory" in body["evidence"]
     assert len(body["launch_ids"]) == 2  # the failed one and the rollback
     rollback = d.wait_event("server.rollback")
-    assert rollback["from"] == "oom" and rollback["to"] == "good"
+    assert rollback["from_config"] == "oom" and rollback["to_config"] == "good"
     st = d.status()
     assert st["state"] == "ready" and st["config"] == "good"
     assert st["rolled_back_from"] == "oom"
@@ -129,7 +129,7 @@ def test_crash_inside_probation_rolls_back(procs, tmp_path: Path, fake_gpu: Path
     body = d.http.post("/restart", params={"config": "flaky", "wait": "true"}).json()
     assert body["outcome"] == "ready"  # it came up ...
     rollback = d.wait_event("server.rollback")  # ... and crashed within probation_s
-    assert rollback["from"] == "flaky" and rollback["reason"] == "crash"
+    assert rollback["from_config"] == "flaky" and rollback["reason"] == "crash"
     d.wait_state("ready", after=rollback["_index"])
     st = d.status()
     assert st["config"] == "good" and st["last_good_config"] == "good"
