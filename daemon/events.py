@@ -117,6 +117,22 @@ class ProbationOver:
 
 
 @dataclass(frozen=True)
+class GpuSample:
+    """A GPU snapshot and the pids of the running launch's tree, taken off the owner."""
+
+    gen: int
+    snapshot: Any
+    tree: frozenset[tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class OrphansKilled:
+    """Processes of earlier launches that held GPU memory, killed before a launch."""
+
+    killed: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
 class EventNoted:
     """A helper task has something to record (it posts; the owner records)."""
 
@@ -141,4 +157,6 @@ Message = (
     | StableUptime
     | EventNoted
     | ProbationOver
+    | GpuSample
+    | OrphansKilled
 )

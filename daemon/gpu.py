@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpuwarden.standin import fakegpu
 
@@ -121,6 +121,22 @@ def describe_busy(gpus: list[GpuInfo]) -> str:
         holders = ", ".join(f"pid {p.pid} ({p.name or '?'}, {p.used_mib} MiB)" for p in g.processes)
         parts.append(f"GPU {g.index}: {g.used_mib} MiB used by {holders or 'unknown processes'}")
     return "; ".join(parts)
+
+
+def render_gpu_table(gpus: list[dict[str, Any]]) -> str:
+    """GPUs as /status shows them, as a fixed-width text table (the diagnostic dump's)."""
+    lines = [f"{'GPU':>3}  {'used MiB':>9}  {'total MiB':>9}  {'util':>5}  holders"]
+    for g in gpus:
+        holders = ", ".join(
+            f"{p['pid']} {p.get('name') or '?'} {p['used_mib']} MiB"
+            + (" (ours)" if p.get("ours") else "")
+            for p in g.get("processes") or []
+        )
+        util = g.get("utilization_pct")
+        util_s = "-" if util is None else f"{util:.0f}%"
+        row = f"{g['index']:>3}  {g['used_mib']:>9}  {g['total_mib']:>9}  {util_s:>5}"
+        lines.append(f"{row}  {holders or '-'}")
+    return "\n".join(lines)
 
 
 def make_backend(kind: str, fake_dir: Path | None) -> GpuBackend:

@@ -12,18 +12,24 @@ import threading
 import time
 from typing import Any
 
+import structlog
+
 from gpuwarden.daemon.gpu import GpuInfo, GpuProcess, GpuSnapshot
+
+log = structlog.get_logger("gpuwarden.nvml")
 
 
 class NvmlBackend:
     name = "nvml"
     blocking = True
 
-    def __init__(self) -> None:
-        import pynvml  # noqa: PLC0415 - optional at import time: only GPU hosts need it
+    def __init__(self, module: Any = None) -> None:
+        if module is None:
+            import pynvml  # noqa: PLC0415 - only GPU hosts need it
 
-        self._nvml: Any = pynvml
-        pynvml.nvmlInit()
+            module = pynvml
+        self._nvml: Any = module
+        module.nvmlInit()
         self._lock = threading.Lock()
         self._last = GpuSnapshot()
         self._closed = False
@@ -65,7 +71,9 @@ class NvmlBackend:
                     )
                 self._last = GpuSnapshot(tuple(gpus), time.monotonic())
             except nv.NVMLError as exc:
+                # Keep the last good snapshot; its taken_at tells its age.
                 self._last = GpuSnapshot(self._last.gpus, self._last.taken_at, f"NVML: {exc}")
+                log.warning("gpu.nvml_error", error=str(exc))
             return self._last
 
     def close(self) -> None:

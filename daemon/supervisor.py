@@ -34,10 +34,12 @@ from gpuwarden.daemon.events import (
     BackoffElapsed,
     ChildExited,
     EventNoted,
+    GpuSample,
     GpuWaitDone,
     GraceExpired,
     LineParsed,
     Message,
+    OrphansKilled,
     ProbationOver,
     ProbeFailed,
     ProbeSucceeded,
@@ -118,6 +120,7 @@ class Launch:
     swap: Swap | None = None  # the swap this attempt belongs to
     rollback: bool = False  # this attempt is a rollback to the last good config
     on_probation: bool = False
+    rank_gpus: dict[int, list[int]] | None = None  # GPU -> pids of ours it held at ready
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def add_findings(self, findings: list[Finding]) -> None:
@@ -164,6 +167,28 @@ def utc_iso(ts: float | None) -> str | None:
     if ts is None:
         return None
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+
+
+def _launch_tree(main_pid: int) -> frozenset[tuple[int, float]]:
+    """(pid, create_time) of a launch's main process, its descendants, and the orphans that
+    reparented to this daemon (a subreaper runs one server at a time, so they are its)."""
+    import psutil  # noqa: PLC0415
+
+    out: set[tuple[int, float]] = set()
+    roots = [main_pid]
+    with contextlib.suppress(psutil.Error):
+        me = psutil.Process()
+        roots += [
+            c.pid for c in me.children() if c.pid != main_pid and c.pid not in childmod._OWNED
+        ]
+    for root in roots:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(root)
+            out.add((proc.pid, proc.create_time()))
+            for c in proc.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    out.add((c.pid, c.create_time()))
+    return frozenset(out)
 
 
 class Supervisor:
@@ -227,6 +252,10 @@ class Supervisor:
         self.exits_by_reason: dict[str, int] = {}
         self.ready_times: list[float] = []
         self._tree_cache: tuple[int, float, set[int]] | None = None
+        # Processes known to be ours, of this and earlier launches: (pid, create_time) ->
+        # launch id. Persisted, so a later daemon life recognises orphans holding GPU memory.
+        self.known_ours: dict[tuple[int, float], str] = {}
+        self.gpu_pids_unresolved = False
 
     # -- public: thin clients of the owner task ---------------------------------------------------
 
@@ -366,6 +395,11 @@ class Supervisor:
                 msg.reply.set_result(self._on_restart(msg.config))
             case ProbationOver():
                 self._on_probation_over(msg)
+            case GpuSample():
+                self._on_gpu_sample(msg)
+            case OrphansKilled():
+                self.last_sweep_killed = msg.killed
+                self._event("gpu_orphans_killed", killed=msg.killed)
             case ShutdownRequested():
                 self._on_shutdown(msg.reply)
             case GpuWaitDone():
@@ -448,6 +482,11 @@ class Supervisor:
         self._launch_seq = int(data.get("launch_seq", 0) or 0)
         self.launch_history = list(data.get("launches") or [])[-LAUNCH_HISTORY:]
         self.last_exit = data.get("last_exit")
+        for item in data.get("known_processes") or []:
+            with contextlib.suppress(TypeError, ValueError):
+                pid, ct, lid = int(item[0]), float(item[1]), str(item[2])
+                if childmod.is_alive(pid, ct):  # the dead are forgotten
+                    self.known_ours[(pid, ct)] = lid
         await self._stop_previous_life(data.get("current_launch"))
         name = None
         if intent:
@@ -545,6 +584,9 @@ class Supervisor:
             "current_launch": current,
             "last_exit": self.last_exit,
             "launches": list(self.launch_history[-LAUNCH_HISTORY:]),
+            "known_processes": [
+                [pid, ct, lid] for (pid, ct), lid in list(self.known_ours.items())[-500:]
+            ],
         }
 
     def _set_intent(self, config: str | None, running: bool) -> None:
@@ -733,6 +775,7 @@ class Supervisor:
             if not busy:
                 self.post(GpuWaitDone(launch.gen, True))
                 return
+            await self._kill_gpu_orphans(busy)
             if not announced:
                 announced = True
                 self.post_event("gpu_wait", detail=describe_busy(busy))
@@ -740,6 +783,34 @@ class Supervisor:
                 self.post(GpuWaitDone(launch.gen, False, describe_busy(busy)))
                 return
             await self.clock.sleep(cfg.poll_interval_s)
+
+    async def _kill_gpu_orphans(self, gpus: list[Any]) -> list[dict[str, Any]]:
+        """Holders that are ours (an earlier launch's, by pid and create time) are killed;
+        foreign holders never are."""
+        launch = self.launch
+        running = launch.child.pid if launch and launch.child and not launch.exited else None
+        targets = []
+        for g in gpus:
+            for p in g.processes:
+                if p.pid == running:
+                    continue
+                launch_id = self.ours(p.pid)
+                ct = childmod.create_time_of(p.pid)
+                if launch_id is not None and ct is not None:
+                    targets.append(
+                        (childmod.Leftover(p.pid, ct, p.name, ""), g.index, p.used_mib, launch_id)
+                    )
+        if not targets:
+            return []
+        killed = await childmod.kill_leftovers([t[0] for t in targets])
+        report = [
+            {"pid": t[0].pid, "name": t[0].name, "gpu": t[1], "used_mib": t[2], "launch_id": t[3]}
+            for t in targets
+            if t[0] in killed
+        ]
+        if report:
+            self.post(OrphansKilled(report))
+        return report
 
     def post_event(self, kind: str, **fields: Any) -> None:
         """Record an event from a helper task: posted, so the owner records it and wakes waiters."""
@@ -910,6 +981,72 @@ class Supervisor:
                 ),
             )
 
+    def _on_gpu_sample(self, msg: GpuSample) -> None:
+        snap: GpuSnapshot = msg.snapshot
+        self.gpu_snapshot = snap
+        self._check_resolvable(snap)
+        launch = self._current(msg.gen)
+        if launch is None or launch.exited or not msg.tree:
+            return
+        tree_pids = {pid for pid, _ in msg.tree}
+        holders = {p.pid for g in snap.gpus for p in g.processes}
+        for key in msg.tree:
+            if key[0] in holders and key not in self.known_ours:
+                self.known_ours[key] = launch.launch_id
+                self._persist()
+        if self.state != S.READY:
+            return
+        held = {g.index: [p.pid for p in g.processes if p.pid in tree_pids] for g in snap.gpus}
+        if launch.rank_gpus is None:
+            launch.rank_gpus = {i: pids for i, pids in held.items() if pids}
+            if launch.rank_gpus:
+                self._event("ranks", gpus=sorted(launch.rank_gpus))
+            self._persist()
+            return
+        lost = [i for i in launch.rank_gpus if not held.get(i)]
+        if lost:
+            i = lost[0]
+            self._begin_stop(
+                launch,
+                Next.RETRY,
+                imposed=Classification(
+                    "rank_lost",
+                    f"GPU {i} no longer holds a process of this launch "
+                    f"(it held pid {', '.join(map(str, launch.rank_gpus[i]))} when ready)",
+                ),
+            )
+
+    def _check_resolvable(self, snap: GpuSnapshot) -> None:
+        """NVML in a container may report pids of another namespace: say so once, and never
+        call such a holder ours (decisions fall back to memory alone)."""
+        if self.gpu_pids_unresolved:
+            return
+        import psutil  # noqa: PLC0415
+
+        missing = [p.pid for g in snap.gpus for p in g.processes if not psutil.pid_exists(p.pid)]
+        if missing and self.gpu.name == "nvml":
+            self.gpu_pids_unresolved = True
+            self._event(
+                "gpu_pids_unresolved",
+                pids=missing[:8],
+                detail="NVML reports pids this daemon cannot see (another pid namespace?); "
+                "GPU holders are judged by memory only and none is treated as ours",
+            )
+
+    def ours(self, pid: int) -> str | None:
+        """The launch id a live process belongs to, if it is ours (pid and create time)."""
+        from gpuwarden.daemon.child import create_time_of  # noqa: PLC0415
+
+        if self.gpu_pids_unresolved:
+            return None
+        ct = create_time_of(pid)
+        if ct is None:
+            return None
+        for (kpid, kct), launch_id in self.known_ours.items():
+            if kpid == pid and abs(kct - ct) < 0.05:
+                return launch_id
+        return None
+
     def _on_probation_over(self, msg: ProbationOver) -> None:
         launch = self._current(msg.gen)
         if launch is None or not launch.on_probation or self.state != S.READY:
@@ -993,12 +1130,11 @@ class Supervisor:
                 childmod.find_leftovers, launch.launch_id, child.pgid
             )
             killed = await childmod.kill_leftovers(leftovers)
-        self.post(
-            SweepDone(
-                launch.gen,
-                [{"pid": k.pid, "name": k.name, "cmdline": k.cmdline} for k in killed],
-            )
-        )
+        report = [{"pid": k.pid, "name": k.name, "cmdline": k.cmdline} for k in killed]
+        # Holders of ours the tree walk could not reach (an earlier launch's orphans).
+        snap = await self._snapshot()
+        report += await self._kill_gpu_orphans(list(snap.gpus))
+        self.post(SweepDone(launch.gen, report))
 
     def _on_sweep_done(self, msg: SweepDone) -> None:
         launch = self._current(msg.gen)
@@ -1186,10 +1322,19 @@ class Supervisor:
             self.gpu_snapshot = await asyncio.to_thread(self.gpu.snapshot)
 
     async def _poll_gpus(self) -> None:
+        """Once a second: a GPU snapshot and the running launch's process tree, posted to the
+        owner (which attributes holders, notes ranks at ready and notices a lost rank)."""
         while True:
+            launch = self.launch
             if self.state != S.WAITING_GPU:  # the wait polls faster on its own
-                with contextlib.suppress(Exception):
-                    self.gpu_snapshot = await asyncio.to_thread(self.gpu.snapshot)
+                try:
+                    snap = await self._snapshot()
+                    tree: frozenset[tuple[int, float]] = frozenset()
+                    if launch is not None and launch.child is not None and not launch.exited:
+                        tree = await asyncio.to_thread(_launch_tree, launch.child.pid)
+                    self.post(GpuSample(launch.gen if launch else 0, snap, tree))
+                except Exception:
+                    log.exception("gpu.poll_failed")
             await asyncio.sleep(1.0)
 
     async def _prune_logs(self) -> None:
@@ -1263,6 +1408,8 @@ class Supervisor:
             "gpus": gpus,
             "gpu_backend": self.gpu.name,
             "gpu_error": self.gpu_snapshot.error,
+            "gpu_snapshot_age_s": round(max(0.0, time.monotonic() - self.gpu_snapshot.taken_at), 3),
+            "gpu_pids_unresolved": self.gpu_pids_unresolved,
             "server_metrics": self.server_metrics or None,
         }
 
