@@ -25,6 +25,7 @@ from gpuwarden.daemon import logsetup
 from gpuwarden.daemon.gpu import make_backend
 from gpuwarden.daemon.settings import Settings, SettingsError, load_settings
 from gpuwarden.daemon.supervisor import Supervisor
+from gpuwarden.daemon.systemd import Notifier
 from gpuwarden.standin import fakegpu
 
 log = structlog.get_logger("gpuwarden")
@@ -119,6 +120,12 @@ async def serve(settings: Settings) -> int:
     log.info(
         "api.listening", host=bound_host, port=bound_port, url=f"http://{bound_host}:{bound_port}"
     )
+    # systemd: ready once the control plane listens (the server may still be loading: /status
+    # says so); STATUS follows the server; WATCHDOG=1 comes from this loop, so a stuck loop is
+    # restarted by systemd.
+    notifier = Notifier()
+    notifier.ready(_status_line(supervisor))
+    extra = [loop.create_task(_notify_loop(notifier, supervisor))] if notifier.enabled else []
     stop_wait = loop.create_task(stop.wait())
     done, _ = await asyncio.wait({stop_wait, sup_task}, return_when=asyncio.FIRST_COMPLETED)
     rc = 0
@@ -127,9 +134,12 @@ async def serve(settings: Settings) -> int:
         rc = 1
     else:
         log.info("daemon.stopping", detail="stopping the server; the saved intent is kept")
+        notifier.stopping()
         await supervisor.shutdown()
         await sup_task
     stop_wait.cancel()
+    for task in extra:
+        task.cancel()
     server.should_exit = True
     with contextlib.suppress(Exception):
         await api_task
@@ -137,6 +147,25 @@ async def serve(settings: Settings) -> int:
     supervisor.events.close()
     log.info("daemon.stopped", rc=rc)
     return rc
+
+
+def _status_line(supervisor: Supervisor) -> str:
+    st = supervisor.status()
+    pid = f" pid {st['pid']}" if st.get("pid") else ""
+    return f"server {st['state']}: config {st.get('config') or '-'}{pid}"
+
+
+async def _notify_loop(notifier: Notifier, supervisor: Supervisor) -> None:
+    period = min(1.0, notifier.watchdog_s / 2) if notifier.watchdog_s else 1.0
+    last = ""
+    while True:
+        if notifier.watchdog_s:
+            notifier.watchdog()
+        line = _status_line(supervisor)
+        if line != last:
+            notifier.status(line)
+            last = line
+        await asyncio.sleep(period)
 
 
 def run(args: argparse.Namespace) -> int:
