@@ -13,7 +13,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpuwarden.api import routes_configs, routes_control, routes_events, routes_logs, routes_status
+from gpuwarden.api import (
+    routes_chat,
+    routes_configs,
+    routes_control,
+    routes_events,
+    routes_logs,
+    routes_status,
+)
 from gpuwarden.api.auth import read_token, require_token
 from gpuwarden.daemon.settings import Settings
 from gpuwarden.daemon.supervisor import CommandError, Supervisor
@@ -31,7 +38,15 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
     app.state.metrics = routes_events.metrics_registry(supervisor)
     guarded = [Depends(require_token)]
     app.include_router(routes_status.public)
-    for module in (routes_status, routes_control, routes_configs, routes_logs, routes_events):
+    app.include_router(routes_chat.public)  # its own auth: bearer or verification token
+    for module in (
+        routes_status,
+        routes_control,
+        routes_configs,
+        routes_logs,
+        routes_events,
+        routes_chat,
+    ):
         app.include_router(module.router, dependencies=guarded)
 
     @app.exception_handler(CommandError)

@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     curl {url}/status
     curl -X POST '{url}/restart?config=eagle3'     # swap to EAGLE-3
     gpuwarden status --url {url}
+    curl -X POST {url}/chat -H 'Content-Type: application/json' -d '{{"text":"server crashed"}}'
     gpuwarden fake-gpu hold --gpu 3 --mib 40000 --dir {root / "fakegpu"}   # a foreign holder
     curl 127.0.0.1:{DEMO_SERVER_PORT}/v1/models
 

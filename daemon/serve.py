@@ -23,6 +23,7 @@ from gpuwarden.api.app import create_app
 from gpuwarden.daemon import child as childmod
 from gpuwarden.daemon import logsetup
 from gpuwarden.daemon.gpu import make_backend
+from gpuwarden.daemon.notify import Webhooks
 from gpuwarden.daemon.settings import Settings, SettingsError, load_settings
 from gpuwarden.daemon.supervisor import Supervisor
 from gpuwarden.daemon.systemd import Notifier
@@ -104,6 +105,8 @@ async def serve(settings: Settings) -> int:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGCHLD, childmod.reap_orphans)
 
+    webhooks = Webhooks(supervisor, settings.chat.webhooks)
+    webhooks.start()
     sup_task = loop.create_task(supervisor.run())
     api_task = loop.create_task(server.serve(sockets=[sock]))
     log.info(
@@ -143,6 +146,7 @@ async def serve(settings: Settings) -> int:
     server.should_exit = True
     with contextlib.suppress(Exception):
         await api_task
+    await webhooks.close()
     gpu.close()
     supervisor.events.close()
     log.info("daemon.stopped", rc=rc)

@@ -256,6 +256,7 @@ class Supervisor:
         # launch id. Persisted, so a later daemon life recognises orphans holding GPU memory.
         self.known_ours: dict[tuple[int, float], str] = {}
         self.gpu_pids_unresolved = False
+        self.event_listeners: list[Callable[[dict[str, Any]], None]] = []
 
     # -- public: thin clients of the owner task ---------------------------------------------------
 
@@ -445,6 +446,11 @@ class Supervisor:
                 record["launch_id"] = launch.launch_id
         record.update({k: v for k, v in fields.items() if v is not None})
         self.events.append(record)
+        for listener in self.event_listeners:
+            try:
+                listener(record)
+            except Exception:
+                log.exception("supervisor.event_listener_failed")
         log.info(f"server.{kind}", **{k: v for k, v in record.items() if k not in ("event", "ts")})
 
     def _spawn(

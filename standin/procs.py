@@ -157,7 +157,7 @@ class _Scheduler:
         avail = self.avail_gb()
         self.log(f"Load weight begin. avail mem={avail:.2f} GB")
         if faults.has("cuda_oom") or avail * GIB < weights_mib:
-            raise_cuda_oom(weights_mib, avail)
+            raise_cuda_oom(weights_mib, avail, self.total_mib / GIB)
         if faults.escape_grandchild_mib and self.rank == 0 and self.fake_root is not None:
             self.helper_pids.add(
                 start_escapee(self.fake_root, self.gpu, faults.escape_grandchild_mib)
@@ -489,12 +489,14 @@ def start_escapee(root: Path, gpu: int, mib: int) -> int:
 # -- SGLang's failure output ---------------------------------------------------------------------
 
 
-def raise_cuda_oom(needed_mib: int, avail_gb: float) -> None:
+def raise_cuda_oom(needed_mib: int, avail_gb: float, total_gb: float) -> None:
+    free = min(avail_gb, needed_mib / GIB * 0.4)  # the failing allocation did not fit
+    used = max(0.0, total_gb - free)
     raise _torch_oom(
         f"CUDA out of memory. Tried to allocate {needed_mib / GIB:.2f} GiB. GPU 0 has a total "
-        f"capacity of 139.81 GiB of which {avail_gb:.2f} GiB is free. Process has "
-        f"{139.81 - avail_gb:.2f} GiB memory in use. Of the allocated memory "
-        f"{139.81 - avail_gb - 0.5:.2f} GiB is allocated by PyTorch, and 0.41 GiB is reserved "
+        f"capacity of {total_gb:.2f} GiB of which {free:.2f} GiB is free. Process has "
+        f"{used:.2f} GiB memory in use. Of the allocated memory "
+        f"{max(0.0, used - 0.41):.2f} GiB is allocated by PyTorch, and 0.41 GiB is reserved "
         "by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
         "documentation for Memory Management  "

@@ -1,0 +1,142 @@
+"""Chat and the diagnostic dump: 'server crashed' answers with the dump."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Header, HTTPException, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
+
+from gpuwarden.api.auth import token_matches
+from gpuwarden.api.deps import SettingsDep, SupervisorDep
+from gpuwarden.api.models import errors
+from gpuwarden.daemon.chat import (
+    HELP,
+    build_dump,
+    chat_text,
+    matches_trigger,
+    save_dump,
+    slack_reply,
+)
+
+router = APIRouter(tags=["chat"])
+public = APIRouter(tags=["chat"])
+
+
+class ChatReply(BaseModel):
+    text: str
+    trigger: str | None = None
+    dump: dict[str, Any] | None = None
+    saved: str | None = None
+
+
+class DumpList(BaseModel):
+    dumps: list[str]
+
+
+async def _read_message(request: Request) -> tuple[dict[str, Any], bool]:
+    """(fields, slack_form). JSON; a form (Slack/Mattermost); or JSON sent form-encoded by
+    `curl -d '{...}'`, which arrives as one form key holding the whole JSON."""
+    raw = await request.body()
+    ctype = request.headers.get("content-type", "")
+    text = raw.decode("utf-8", errors="replace").strip()
+    if "json" in ctype or text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise HTTPException(400, f"the body is not JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise HTTPException(400, "the body must be a JSON object")
+        return data, False
+    form = {k: v[0] for k, v in parse_qs(text, keep_blank_values=True).items()}
+    if not form:
+        raise HTTPException(400, 'empty message: send {"text": ...} or a slash-command form')
+    return form, True
+
+
+@public.post(
+    "/chat",
+    summary="A chat message: a trigger ('server crashed') answers with the dump, else help",
+    description='JSON `{"text": ..., "user": ...}` (also when `curl -d` sends it '
+    "form-encoded), or a Slack/Mattermost slash-command or outgoing-webhook form. Auth: the "
+    "bearer token, or the form's `token` equal to `chat.verification_token`.",
+    responses={**errors(400, 401), 200: {"model": ChatReply}},
+)
+async def chat(
+    request: Request,
+    supervisor: SupervisorDep,
+    settings: SettingsDep,
+    authorization: Annotated[str | None, Header()] = None,
+) -> Any:
+    fields, slack = await _read_message(request)
+    expected = request.app.state.token
+    given = authorization[7:] if authorization and authorization.startswith("Bearer ") else None
+    verification = settings.chat.verification_token
+    form_token = fields.get("token")
+    if expected is not None or verification is not None:
+        ok = (expected is not None and token_matches(expected, given)) or (
+            verification is not None
+            and isinstance(form_token, str)
+            and token_matches(verification, form_token)
+        )
+        if not ok:
+            raise HTTPException(
+                401,
+                "missing or wrong token (bearer, or the form's token)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+    text = fields.get("text")
+    if not isinstance(text, str):
+        raise HTTPException(400, "the message has no text")
+    trigger = matches_trigger(text, settings.chat.triggers)
+    if trigger is None:
+        reply = HELP.format(triggers=" or ".join(f"'{t}'" for t in settings.chat.triggers))
+        return JSONResponse(
+            slack_reply(reply) | {"response_type": "ephemeral"}
+            if slack
+            else ChatReply(text=reply).model_dump()
+        )
+    dump = build_dump(supervisor, why=f"chat: {text[:80]!r}")
+    saved = save_dump(settings.state_dir, dump)
+    body = chat_text(dump, saved)
+    if slack:
+        return JSONResponse(slack_reply(body))
+    return ChatReply(text=body, trigger=trigger, dump=dump.data, saved=saved.stem)
+
+
+@router.get(
+    "/dump",
+    summary="The diagnostic dump now (text, or JSON with Accept: application/json)",
+    responses={**errors(401), 200: {"content": {"text/plain": {}, "application/json": {}}}},
+)
+async def dump(request: Request, supervisor: SupervisorDep, settings: SettingsDep) -> Response:
+    d = build_dump(supervisor)
+    saved = save_dump(settings.state_dir, d)
+    if "application/json" in request.headers.get("accept", ""):
+        return JSONResponse({**d.data, "saved": saved.stem})
+    return PlainTextResponse(d.text + "\n")
+
+
+@router.get("/dumps", summary="Saved dumps, newest last", responses=errors(401))
+async def dumps(settings: SettingsDep) -> DumpList:
+    folder = settings.state_dir / "dumps"
+    names = sorted(p.stem for p in folder.glob("*.txt")) if folder.exists() else []
+    return DumpList(dumps=names)
+
+
+@router.get(
+    "/dumps/{name}",
+    summary="One saved dump",
+    response_class=PlainTextResponse,
+    responses={**errors(400, 401, 404), 200: {"content": {"text/plain": {}}}},
+)
+async def saved_dump(name: str, settings: SettingsDep) -> PlainTextResponse:
+    if "/" in name or name.startswith(".") or not name.replace("-", "").replace("T", "").isalnum():
+        raise HTTPException(400, f"invalid dump name {name!r}")
+    path = settings.state_dir / "dumps" / f"{name}.txt"
+    if not path.exists():
+        raise HTTPException(404, f"no dump {name!r}")
+    return PlainTextResponse(path.read_text())

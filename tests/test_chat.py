@@ -1,0 +1,259 @@
+"""'server crashed' over real HTTP: the dump, its forms, redaction, and webhook notifications
+against a real local receiver standing in for Slack."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gpuwarden.daemon.chat import matches_trigger
+
+from .daemon_harness import Daemon, standin_config, start_daemon
+
+
+class Receiver:
+    """A webhook receiver on 127.0.0.1: records each post; can answer 500 or hang."""
+
+    def __init__(self, mode: str = "ok") -> None:
+        self.mode = mode
+        self.posts: list[dict[str, Any]] = []
+        self.release = threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.posts.append(json.loads(body))
+                if outer.mode == "hang":
+                    outer.release.wait(30)
+                self.send_response(500 if outer.mode == "500" else 200)
+                self.end_headers()
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()
+
+
+def test_triggers_ignore_case_and_punctuation() -> None:
+    triggers = ["server crashed", "server is down"]
+    assert matches_trigger("Server crashed!!", triggers) == "server crashed"
+    assert matches_trigger("the server is down?", triggers) == "server is down"
+    assert matches_trigger("my server crashedx", triggers) is None
+    assert matches_trigger("how are you", triggers) is None
+
+
+def crashed(procs, tmp_path: Path, fake_gpu: Path, **settings: Any) -> Daemon:  # type: ignore[no-untyped-def]
+    secret = standin_config(
+        "--standin-crash-on-load=cuda_oom",
+        "--api-key=sk-chat-secret-123",
+        env={"HF_TOKEN": "hf_chat_secret_456"},
+    )
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"oom": secret},
+        default="oom",
+        restart={"initial_delay_s": 60},
+        **settings,
+    )
+    d.wait_state("backoff", reason="cuda_oom")
+    return d
+
+
+def test_server_crashed_answers_with_the_reason_and_the_real_traceback(
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:  # type: ignore[no-untyped-def]
+    d = crashed(procs, tmp_path, fake_gpu)
+    res = d.http.post("/chat", json={"text": "Server crashed!!", "user": "me"})
+    assert res.status_code == 200
+    body = res.json()
+    text = body["text"]
+    assert body["trigger"] == "server crashed"
+    assert "state: backoff" in text
+    assert "last exit: cuda_oom" in text
+    assert "evidence: torch.OutOfMemoryError: CUDA out of memory" in text
+    assert "! [" in text and "Scheduler hit an exception: Traceback" in text
+    assert "Received sigquit from a child process" in text
+    assert body["dump"]["last_exit"]["reason"] == "cuda_oom"
+    assert (tmp_path / "state" / "dumps" / f"{body['saved']}.txt").exists()
+    assert body["saved"] in d.http.get("/dumps").json()["dumps"]
+    assert "cuda_oom" in d.http.get(f"/dumps/{body['saved']}").text
+    # Secrets appear nowhere: chat, dump, status, config view, log view.
+    for view in (
+        text,
+        d.http.get("/dump").text,
+        json.dumps(d.http.get("/dump", headers={"Accept": "application/json"}).json()),
+        json.dumps(d.status()),
+        json.dumps(d.http.get("/configs/oom").json()),
+        json.dumps(d.http.get("/logs", params={"lines": 500}).json()),
+        (tmp_path / "state" / "dumps" / f"{body['saved']}.json").read_text(),
+    ):
+        assert "sk-chat-secret-123" not in view
+        assert "hf_chat_secret_456" not in view
+    assert "api_key='***'" in d.http.get("/logs", params={"lines": 500}).text
+
+
+def test_slack_form_curl_d_and_help(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "token").write_text("bearer-tok\n")
+    d = crashed(
+        procs, tmp_path, fake_gpu, token_file="./token", chat={"verification_token": "slack-verify"}
+    )
+    slack = d.http.post(
+        "/chat",
+        data={
+            "text": "server is down?",
+            "user_name": "ann",
+            "channel_name": "ops",
+            "token": "slack-verify",
+            "response_url": "http://127.0.0.1:9/x",
+        },
+    )
+    assert slack.status_code == 200
+    sb = slack.json()
+    assert sb["response_type"] == "in_channel"
+    assert sb["blocks"][0]["type"] == "section" and "cuda_oom" in sb["blocks"][0]["text"]["text"]
+    assert (
+        d.http.post("/chat", data={"text": "server crashed", "token": "wrong"}).status_code == 401
+    )
+    assert d.http.post("/chat", json={"text": "server crashed"}).status_code == 401
+    auth = {"Authorization": "Bearer bearer-tok"}
+    curl = subprocess.run(
+        [
+            "curl",
+            "-s",
+            "-X",
+            "POST",
+            f"{d.url}/chat",
+            "-H",
+            "Authorization: Bearer bearer-tok",
+            "-d",
+            '{"text":"server crashed"}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert json.loads(curl.stdout)["trigger"] == "server crashed"  # form-encoded JSON
+    help_reply = d.http.post("/chat", json={"text": "hello there"}, headers=auth).json()
+    assert help_reply["trigger"] is None and "server crashed" in help_reply["text"]
+    bad = d.http.post(
+        "/chat", content=b"{not json", headers={**auth, "Content-Type": "application/json"}
+    )
+    assert bad.status_code == 400
+
+
+def test_no_log_because_the_log_dir_is_not_writable(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "afile").write_text("")
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"c": standin_config()},
+        default="c",
+        log_dir="./afile/logs",
+        restart={"initial_delay_s": 60},
+    )
+    d.wait_state("backoff", reason="log_unwritable")
+    text = d.http.post("/chat", json={"text": "server crashed"}).json()["text"]
+    assert (
+        "log: no log exists: the launch's log file could not be created, so nothing was started"
+        in text
+    )
+    assert "afile/logs" in text
+
+
+def test_no_log_because_preflight_refused_the_launch(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(
+        procs, tmp_path, fake_gpu, {"bad": standin_config("--tp-szie=2")}, default="bad"
+    )
+    d.wait_state("failed", reason="preflight_refused")
+    text = d.http.post("/chat", json={"text": "server crashed"}).json()["text"]
+    assert (
+        "log: the launch never ran: preflight refused it: sglang serve: error: unrecognized arguments: --tp-szie 2"
+        in text
+    )
+
+
+def test_a_crash_loop_sends_a_bounded_number_of_posts(
+    procs, tmp_path: Path, fake_gpu: Path, receiver: Receiver
+) -> None:  # type: ignore[no-untyped-def]
+    cfg = standin_config("--standin-crash-on-load=cuda_oom")
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"oom": cfg},
+        default="oom",
+        restart={"initial_delay_s": 0, "max_failures": 10},
+        chat={"webhooks": [receiver.url, {"url": receiver.url, "format": "generic"}]},
+    )
+    d.wait_state("failed", timeout=60)
+    d.wait_event("server.notify_sent", notice="failed", timeout=30)
+    d.wait_event("server.notify_sent", notice="failed", timeout=30)  # one per webhook
+    kinds = [p.get("event") for p in receiver.posts if "event" in p]
+    # 10 crashes: three announced (the third one makes the loop), then one summary.
+    assert kinds == ["crash", "crash", "crash", "crash_loop", "failed"]
+    slack = [p for p in receiver.posts if "event" not in p]
+    assert len(slack) == 5 and all(p["text"].startswith("gpuwarden: ") for p in slack)
+    assert "7 more crashes were not announced" in slack[-1]["text"]
+    assert receiver.url not in json.dumps(d.http.get("/events", params={"limit": 200}).json())
+
+
+@pytest.mark.parametrize("mode", ["hang", "500"])
+def test_a_bad_webhook_never_delays_the_relaunch(
+    procs, tmp_path: Path, fake_gpu: Path, mode: str
+) -> None:  # type: ignore[no-untyped-def]
+    receiver = Receiver(mode)
+    try:
+        cfg = standin_config("--standin-crash-after=0.1")
+        d = start_daemon(
+            procs,
+            tmp_path,
+            fake_gpu,
+            {"c": cfg},
+            default="c",
+            restart={"initial_delay_s": 0, "crash_loop_after": 100},
+            chat={"webhooks": [receiver.url]},
+        )
+        ex = d.wait_event("server.exit", reason="crash")
+        t0 = time.monotonic()
+        d.wait_event("server.launch", after=ex["_index"], timeout=10)
+        assert time.monotonic() - t0 < 3  # the webhook hangs 30 s or fails: supervision goes on
+        if mode == "500":
+            failed = d.wait_event("server.notify_failed", timeout=30)
+            assert failed["webhook"] == "#1" and "after 3 attempts" in failed["error"]
+            assert len(receiver.posts) >= 3
+    finally:
+        receiver.close()
+
+
+def test_dump_when_nothing_ever_ran(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, {"c": standin_config()})
+    text = httpx.get(f"{d.url}/dump").text
+    assert "state: stopped" in text and "log: no launch has happened yet" in text
