@@ -20,10 +20,12 @@ from gpuwarden.api import (
     routes_events,
     routes_logs,
     routes_status,
+    routes_sweeps,
 )
 from gpuwarden.api.auth import read_token, require_token
 from gpuwarden.daemon.settings import Settings
 from gpuwarden.daemon.supervisor import CommandError, Supervisor
+from gpuwarden.daemon.sweep import SweepManager
 
 
 def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
@@ -36,6 +38,7 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
     app.state.settings = settings
     app.state.token = read_token(settings.token_file)
     app.state.metrics = routes_events.metrics_registry(supervisor)
+    app.state.sweeps = SweepManager(supervisor)
     guarded = [Depends(require_token)]
     app.include_router(routes_status.public)
     app.include_router(routes_chat.public)  # its own auth: bearer or verification token
@@ -46,6 +49,7 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
         routes_logs,
         routes_events,
         routes_chat,
+        routes_sweeps,
     ):
         app.include_router(module.router, dependencies=guarded)
 

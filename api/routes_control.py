@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
@@ -42,7 +42,8 @@ async def start(supervisor: SupervisorDep, config: ConfigParam = None) -> Accept
     summary="Stop the server and leave it stopped; wins over a start, swap or sweep",
     responses=errors(401),
 )
-async def stop(supervisor: SupervisorDep) -> Accepted:
+async def stop(request: Request, supervisor: SupervisorDep) -> Accepted:
+    await request.app.state.sweeps.cancel_for_stop()  # stop wins over a sweep
     return Accepted(**await supervisor.stop())
 
 

@@ -25,7 +25,10 @@ from pathlib import Path
 
 import psutil
 
-LAUNCH_ENV = "GPUWARDEN_LAUNCH_ID"
+LAUNCH_ENV = "GPUWARDEN_LAUNCH_ID"  # for people: the launch id
+# For the sweep: a random token per launch. Launch ids are unique per daemon only, and two
+# daemons on one host may start launches in the same second.
+TOKEN_ENV = "GPUWARDEN_LAUNCH_TOKEN"
 F_SETPIPE_SZ = 1031
 PIPE_SIZE = 1 << 20
 READ_SIZE = 64 * 1024
@@ -175,7 +178,9 @@ async def spawn(
     env: dict[str, str],
     launch_id: str,
     on_output: Callable[[bytes, int], None],
+    *,
     cwd: Path | None = None,
+    token: str = "",
 ) -> ChildProcess:
     """Start `argv` (no shell) in a new session. Raises OSError when it cannot be executed."""
     loop = asyncio.get_running_loop()
@@ -186,7 +191,7 @@ async def spawn(
         protocol = _Protocol(on_output)
         return protocol
 
-    full_env = {**env, LAUNCH_ENV: launch_id}
+    full_env = {**env, LAUNCH_ENV: launch_id, TOKEN_ENV: token}
     started = time.monotonic()
     transport, _ = await loop.subprocess_exec(
         factory,
@@ -276,7 +281,7 @@ def is_subreaper() -> bool:
         return False
 
 
-def find_leftovers(launch_id: str, pgid: int | None = None) -> list[Leftover]:
+def find_leftovers(token: str, pgid: int | None = None) -> list[Leftover]:
     """Live processes a launch left behind.
 
     A process belongs to the launch when it is in the launch's process group, when it is a
@@ -286,7 +291,7 @@ def find_leftovers(launch_id: str, pgid: int | None = None) -> list[Leftover]:
     (the fallback where the daemon is not a subreaper; ``setproctitle`` can overwrite the
     environment, so it is not the primary rule).
     """
-    marker = f"{LAUNCH_ENV}={launch_id}\0".encode()
+    marker = f"{TOKEN_ENV}={token}\0".encode() if token else None
     me = os.getpid()
     helpers: set[int] = set()
     for pid in _OWNED:  # other children of ours still running (not this launch's main)
@@ -304,7 +309,7 @@ def find_leftovers(launch_id: str, pgid: int | None = None) -> list[Leftover]:
         if not belongs and pgid is not None:
             with contextlib.suppress(OSError):
                 belongs = os.getpgid(pid) == pgid
-        if not belongs:
+        if not belongs and marker is not None:
             belongs = _environ_has(pid, marker)
         if not belongs:
             continue

@@ -82,6 +82,17 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     add_common(p)
     p.set_defaults(func=cmd_check)
 
+    p = sub.add_parser("sweep", help="benchmark configs in turn: table, CSV, chart")
+    p.add_argument("configs", nargs="+", metavar="CONFIG")
+    p.add_argument("--baseline", default=None, help="the reference config (default: the first)")
+    p.add_argument("--end-on", default=None, help="the config to serve at the end")
+    p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=128)
+    add_common(p)
+    p.set_defaults(func=cmd_sweep)
+
     p = sub.add_parser("dump", help="the diagnostic dump")
     add_common(p)
     p.set_defaults(func=cmd_dump)
@@ -306,6 +317,51 @@ async def _check_offline(args: argparse.Namespace) -> dict[str, Any]:
     except (SettingsError, ConfigError) as exc:
         return {"ok": False, "problems": [str(exc)], "warnings": []}
     return (await Preflight().check(cfg)).to_json()
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    import time  # noqa: PLC0415
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+
+    body = {
+        "configs": args.configs,
+        "baseline": args.baseline,
+        "end_on": args.end_on,
+        "requests": args.requests,
+        "warmup": args.warmup,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+    }
+    sweep = _call(args, "POST", "/sweeps", json=body).json()
+    sid = sweep["id"]
+    try:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            disable=args.json,
+        ) as bar:
+            task = bar.add_task(sid, total=sweep["total"])
+            while sweep["state"] == "running":
+                time.sleep(0.5)
+                sweep = _call(args, "GET", f"/sweeps/{sid}").json()
+                bar.update(
+                    task,
+                    completed=sweep["done"],
+                    description=f"{sid}: {sweep.get('current') or 'finishing'}",
+                )
+    except KeyboardInterrupt:
+        sweep = _call(args, "DELETE", f"/sweeps/{sid}").json()
+        print(f"cancelled {sid}; restoring {sweep.get('original')}", file=sys.stderr)
+        return 1
+    if args.json:
+        _print_json(sweep)
+    else:
+        print(_call(args, "GET", f"/sweeps/{sid}/table.md").text)
+        print(f"files: {sweep['folder']}/table.md, table.csv, chart.png")
+    return 0 if sweep["state"] == "done" else 1
 
 
 def cmd_dump(args: argparse.Namespace) -> int:

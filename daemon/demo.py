@@ -52,7 +52,15 @@ def demo_configs(root: Path, python: str = sys.executable) -> dict[str, dict[str
             "speculative-num-draft-tokens": 5,
         },
     }
-    return {"baseline": baseline, "eagle3": eagle3}
+    # The seed's EAGLE-3 experiments, for `gpuwarden sweep`.
+    cg16 = {"extends": "eagle3", "args": {"speculative-num-draft-tokens": 16}}
+    nocg16 = {"extends": "eagle3_cg_16", "args": {"disable-cuda-graph": True}}
+    return {
+        "baseline": baseline,
+        "eagle3": eagle3,
+        "eagle3_cg_16": cg16,
+        "eagle3_nocg_16": nocg16,
+    }
 
 
 def write_demo_dir(root: Path, listen: str) -> Path:
@@ -103,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     curl -X POST {url}/chat -H 'Content-Type: application/json' -d '{{"text":"server crashed"}}'
     gpuwarden fake-gpu hold --gpu 3 --mib 40000 --dir {root / "fakegpu"}   # a foreign holder
     curl 127.0.0.1:{DEMO_SERVER_PORT}/v1/models
+    gpuwarden sweep baseline eagle3 eagle3_cg_16 eagle3_nocg_16 --url {url}   # table + chart
 
   Ctrl-C stops the daemon and the server.
 """,

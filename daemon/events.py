@@ -38,6 +38,7 @@ class RestartRequested:
     config: str | None
     reply: asyncio.Future[Any] = field(default_factory=_future)
     preflight: Any = None
+    sweep_id: str | None = None  # a sweep's own swaps pass its 409
 
 
 @dataclass(frozen=True)

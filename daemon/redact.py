@@ -12,7 +12,11 @@ from collections.abc import Iterable, Mapping, Sequence
 
 MASK = "***"
 _SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD", re.IGNORECASE)
-_SECRET_FLAGS = re.compile(r"^--?[\w-]*(api-key|token|secret|password|passwd)[\w-]*$", re.I)
+# Whole segments of a flag's name: --api-key, --admin-api-key, --hf-token, --ssl-keyfile-password
+# (not --speculative-num-draft-tokens or --max-total-tokens).
+_SECRET_FLAGS = re.compile(
+    r"^--?(?:[\w]+-)*(?:api-key|apikey|token|secret|password|passwd)(?:-[\w]+)*$", re.I
+)
 # key='value' / key="value" / key=value inside text, for secret-looking keys (api_key, hf_token,
 # ...). `=` only: `#token: 86` in SGLang's batch lines is a count, and `num_tokens` is no secret.
 _INLINE = re.compile(

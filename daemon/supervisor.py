@@ -18,6 +18,7 @@ import os
 import random
 import signal
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -103,6 +104,7 @@ class Launch:
     gen: int
     config: ResolvedConfig
     launch_id: str = ""
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
     log: LaunchLog | None = None
     child: childmod.ChildProcess | None = None
     redactor: Redactor = field(default_factory=Redactor)
@@ -257,6 +259,8 @@ class Supervisor:
         self.known_ours: dict[tuple[int, float], str] = {}
         self.gpu_pids_unresolved = False
         self.event_listeners: list[Callable[[dict[str, Any]], None]] = []
+        self.active_sweep: str | None = None  # set by the sweep manager
+        self.sweep_view: Callable[[], dict[str, Any]] | None = None
 
     # -- public: thin clients of the owner task ---------------------------------------------------
 
@@ -280,7 +284,9 @@ class Supervisor:
     async def stop(self) -> Any:
         return await self.request(StopRequested())
 
-    async def restart(self, config: str | None = None, wait: bool = False) -> Any:
+    async def restart(
+        self, config: str | None = None, wait: bool = False, sweep_id: str | None = None
+    ) -> Any:
         """Restart, or swap when `config` names another config. A swap is preflighted first:
         a refused one answers 422 and touches nothing."""
         name = config or self.intent_config or self.settings.default_config
@@ -296,7 +302,7 @@ class Supervisor:
                     "; ".join(pre.problems),
                     extra={"problems": pre.problems, "warnings": pre.warnings},
                 )
-        reply = await self.request(RestartRequested(cfg.name, preflight=pre))
+        reply = await self.request(RestartRequested(cfg.name, preflight=pre, sweep_id=sweep_id))
         if wait:
             swap: Swap = reply.pop("_swap")
             reply = {**reply, **await asyncio.shield(swap.settled)}
@@ -393,7 +399,7 @@ class Supervisor:
             case StopRequested():
                 msg.reply.set_result(self._on_stop())
             case RestartRequested():
-                msg.reply.set_result(self._on_restart(msg.config))
+                msg.reply.set_result(self._on_restart(msg.config, msg.sweep_id))
             case ProbationOver():
                 self._on_probation_over(msg)
             case GpuSample():
@@ -525,9 +531,10 @@ class Supervisor:
         same_boot = record.get("boot_id") == childmod.boot_id()
         alive = same_boot and pid > 0 and childmod.is_alive(pid, record.get("create_time"))
         launch_id = str(record.get("launch_id") or "")
+        token = str(record.get("token") or "")
         leftovers = (
-            childmod.find_leftovers(launch_id, record.get("pgid") if alive else None)
-            if (same_boot and launch_id)
+            childmod.find_leftovers(token, record.get("pgid") if alive else None)
+            if (same_boot and (token or alive))
             else []
         )
         if not alive and not leftovers:
@@ -547,7 +554,7 @@ class Supervisor:
                 await asyncio.sleep(0.02)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(int(record.get("pgid") or pid), signal.SIGKILL)
-        leftovers = childmod.find_leftovers(launch_id, int(record.get("pgid") or pid))
+        leftovers = childmod.find_leftovers(token, int(record.get("pgid") or pid))
         killed = await childmod.kill_leftovers(leftovers)
         self._event(
             "previous_server_stopped",
@@ -573,6 +580,7 @@ class Supervisor:
         if launch is not None and launch.child is not None and not launch.exited:
             current = {
                 "launch_id": launch.launch_id,
+                "token": launch.token,
                 "config": launch.config.name,
                 "pid": launch.child.pid,
                 "pgid": launch.child.pgid,
@@ -645,7 +653,11 @@ class Supervisor:
         self._begin_attempt(cfg)
         return {"accepted": True, "config": cfg.name, "state": str(self.state)}
 
-    def _no_swap_under_way(self) -> None:
+    def _no_swap_under_way(self, sweep_id: str | None = None) -> None:
+        if self.active_sweep is not None and sweep_id != self.active_sweep:
+            raise CommandError(
+                409, "conflict", f"sweep {self.active_sweep} is under way; cancel it, or stop"
+            )
         swap = self.swap
         if swap is not None and swap.active:
             raise CommandError(
@@ -688,8 +700,8 @@ class Supervisor:
             self._begin_stop(launch, Next.STOP)
         return {"accepted": True, "state": str(self.state)}
 
-    def _on_restart(self, name: str | None) -> dict[str, Any]:
-        self._no_swap_under_way()
+    def _on_restart(self, name: str | None, sweep_id: str | None = None) -> dict[str, Any]:
+        self._no_swap_under_way(sweep_id)
         cfg = self._resolve(name or self.intent_config or self.settings.default_config)
         current = self._current_config()
         swap = Swap(
@@ -868,7 +880,9 @@ class Supervisor:
             return
         env = {**os.environ, **cfg.env}
         try:
-            child = await childmod.spawn(cfg.argv, env, launch.launch_id, launch.log.feed)
+            child = await childmod.spawn(
+                cfg.argv, env, launch.launch_id, launch.log.feed, token=launch.token
+            )
         except Exception as exc:  # OSError from exec; anything else must not strand the attempt
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
             detail = f"cannot execute {cfg.argv[0]!r}: {reason}"
@@ -1132,9 +1146,7 @@ class Supervisor:
         await child.wait_pipes_closed(PIPE_DRAIN_S)
         killed: list[childmod.Leftover] = []
         if not (self._subreaper and childmod.nothing_left(child.pgid)):
-            leftovers = await asyncio.to_thread(
-                childmod.find_leftovers, launch.launch_id, child.pgid
-            )
+            leftovers = await asyncio.to_thread(childmod.find_leftovers, launch.token, child.pgid)
             killed = await childmod.kill_leftovers(leftovers)
         report = [{"pid": k.pid, "name": k.name, "cmdline": k.cmdline} for k in killed]
         # Holders of ours the tree walk could not reach (an earlier launch's orphans).
@@ -1409,7 +1421,7 @@ class Supervisor:
             "last_good_config": self.last_good_config,
             "rolled_back_from": self.rolled_back_from,
             "swap": self.swap.view() if self.swap is not None and self.swap.active else None,
-            "sweep": None,
+            "sweep": self._sweep_status(),
             "last_sweep_killed": self.last_sweep_killed,
             "gpus": gpus,
             "gpu_backend": self.gpu.name,
@@ -1418,6 +1430,12 @@ class Supervisor:
             "gpu_pids_unresolved": self.gpu_pids_unresolved,
             "server_metrics": self.server_metrics or None,
         }
+
+    def _sweep_status(self) -> dict[str, Any] | None:
+        if self.active_sweep is None or self.sweep_view is None:
+            return None
+        v = self.sweep_view()
+        return {"id": v["id"], "done": v["done"], "total": v["total"], "current": v["current"]}
 
     def _our_pids(self) -> set[int]:
         """The running launch's process tree, walked at most once a second (a /proc scan)."""

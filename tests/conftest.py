@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -157,13 +158,19 @@ class Proc:
             self.popen.wait(5)
 
 
-def launched_since(t0: float) -> list[int]:
-    """Live processes started since `t0` that carry a gpuwarden launch id (servers we ran)."""
+TEST_MARK = "GPUWARDEN_TEST_MARK"
+
+
+def launched_since(t0: float, mark: str) -> list[int]:
+    """Live servers a daemon of this test launched: they carry a launch id and this test's mark
+    (inherited through the daemon), so other test runs on the same host are left alone."""
     found = []
+    needle = f"{TEST_MARK}={mark}\0".encode()
     for pid in psutil.pids():
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if b"GPUWARDEN_LAUNCH_ID=" not in f.read():
+                environ = f.read()
+                if b"GPUWARDEN_LAUNCH_ID=" not in environ or needle not in environ:
                     continue
             proc = psutil.Process(pid)
             if proc.create_time() >= t0 and proc.status() != psutil.STATUS_ZOMBIE:
@@ -179,8 +186,13 @@ def procs() -> Iterator[list[Proc]]:
     a daemon of theirs launched, may be alive. Each child gets SIGTERM first (a daemon then
     stops its server), SIGKILL to its group only if it does not exit."""
     t0 = time.time() - 1
+    mark = uuid.uuid4().hex
+    os.environ[TEST_MARK] = mark  # children inherit it, and the servers of their daemons too
     started: list[Proc] = []
-    yield started
+    try:
+        yield started
+    finally:
+        os.environ.pop(TEST_MARK, None)
     leftovers: dict[int, list[int]] = {}
     for proc in started:
         if proc.popen.poll() is None:
@@ -200,7 +212,7 @@ def procs() -> Iterator[list[Proc]]:
             leftovers[proc.pid] = members
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-    servers = launched_since(t0)
+    servers = launched_since(t0, mark)
     for pid in servers:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(os.getpgid(pid), signal.SIGKILL)

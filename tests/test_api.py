@@ -300,6 +300,25 @@ def test_each_cli_command_against_a_live_daemon(procs, tmp_path: Path, fake_gpu:
         check=False,
     )
     assert res.returncode == 1 and "cannot reach the daemon" in res.stderr
+
+    def offline_check() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                PY,
+                "-m",
+                "gpuwarden.daemon.cli",
+                "check",
+                "good",
+                "--offline",
+                "--settings",
+                str(tmp_path / "settings.yaml"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
     res = subprocess.run(
         [PY, "-m", "gpuwarden.daemon.cli", "restart", "--bogus"],
         capture_output=True,
@@ -308,41 +327,11 @@ def test_each_cli_command_against_a_live_daemon(procs, tmp_path: Path, fake_gpu:
         check=False,
     )
     assert res.returncode == 2
-    res = subprocess.run(
-        [
-            PY,
-            "-m",
-            "gpuwarden.daemon.cli",
-            "check",
-            "good",
-            "--offline",
-            "--settings",
-            str(tmp_path / "settings.yaml"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    res = offline_check()
     # Offline, nobody knows the port belongs to our own running server: a real problem.
     assert res.returncode == 1 and "address already in use" in res.stdout
     mark = d.mark()
     assert cli("stop").returncode == 0
     d.wait_state("stopped", after=mark)
-    res = subprocess.run(
-        [
-            PY,
-            "-m",
-            "gpuwarden.daemon.cli",
-            "check",
-            "good",
-            "--offline",
-            "--settings",
-            str(tmp_path / "settings.yaml"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    res = offline_check()
     assert res.returncode == 0, res.stdout + res.stderr

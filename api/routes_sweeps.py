@@ -1,0 +1,109 @@
+"""Config sweeps: start, follow, cancel, and the answer (table, CSV, chart)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, PlainTextResponse
+from pydantic import BaseModel, Field
+
+from gpuwarden.api.models import errors
+from gpuwarden.daemon.load import LoadSpec
+from gpuwarden.daemon.supervisor import CommandError
+from gpuwarden.daemon.sweep import Sweep, SweepManager
+
+router = APIRouter(tags=["sweeps"])
+
+
+class SweepBody(BaseModel):
+    configs: list[str] = Field(min_length=1, max_length=64)
+    baseline: str | None = None
+    end_on: str | None = None
+    requests: int = Field(4, ge=1, le=10000)
+    warmup: int = Field(1, ge=0, le=100)
+    concurrency: int = Field(1, ge=1, le=256)
+    max_tokens: int = Field(128, ge=1, le=32768)
+
+
+def _manager(request: Request) -> SweepManager:
+    manager: SweepManager = request.app.state.sweeps
+    return manager
+
+
+def _get(request: Request, sweep_id: str) -> Sweep:
+    sweep = _manager(request).sweeps.get(sweep_id)
+    if sweep is None:
+        raise CommandError(404, "not_found", f"unknown sweep {sweep_id!r}")
+    return sweep
+
+
+@router.post(
+    "/sweeps",
+    status_code=202,
+    summary="Benchmark configs in turn",
+    responses=errors(400, 401, 404, 409),
+)
+async def start_sweep(request: Request, body: SweepBody) -> dict[str, Any]:
+    load = LoadSpec(
+        requests=body.requests,
+        warmup=body.warmup,
+        concurrency=body.concurrency,
+        max_tokens=body.max_tokens,
+    )
+    sweep = _manager(request).start(body.configs, body.baseline, body.end_on, load)
+    return sweep.view()
+
+
+@router.get(
+    "/sweeps/{sweep_id}", summary="A sweep's progress and results", responses=errors(401, 404)
+)
+async def get_sweep(request: Request, sweep_id: str) -> dict[str, Any]:
+    return _get(request, sweep_id).view()
+
+
+@router.delete(
+    "/sweeps/{sweep_id}",
+    summary="Cancel a sweep; the config serving before returns",
+    responses=errors(401, 404),
+)
+async def cancel_sweep(request: Request, sweep_id: str) -> dict[str, Any]:
+    return (await _manager(request).cancel(sweep_id)).view()
+
+
+def _file(request: Request, sweep_id: str, name: str) -> Any:
+    path = _get(request, sweep_id).folder / name
+    if not path.exists():
+        raise CommandError(404, "not_found", f"{name} is not written yet")
+    return path
+
+
+@router.get(
+    "/sweeps/{sweep_id}/table.md",
+    response_class=PlainTextResponse,
+    responses={**errors(401, 404), 200: {"content": {"text/markdown": {}}}},
+)
+async def table_md(request: Request, sweep_id: str) -> PlainTextResponse:
+    return PlainTextResponse(
+        _file(request, sweep_id, "table.md").read_text(), media_type="text/markdown"
+    )
+
+
+@router.get(
+    "/sweeps/{sweep_id}/table.csv",
+    response_class=PlainTextResponse,
+    responses={**errors(401, 404), 200: {"content": {"text/csv": {}}}},
+)
+async def table_csv(request: Request, sweep_id: str) -> PlainTextResponse:
+    return PlainTextResponse(
+        _file(request, sweep_id, "table.csv").read_text(), media_type="text/csv"
+    )
+
+
+@router.get(
+    "/sweeps/{sweep_id}/chart.png",
+    response_class=FileResponse,
+    responses={**errors(401, 404), 200: {"content": {"image/png": {}}}},
+)
+async def chart(request: Request, sweep_id: str) -> FileResponse:
+    return FileResponse(_file(request, sweep_id, "chart.png"), media_type="image/png")
