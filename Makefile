@@ -45,3 +45,4 @@ clean:
 bench: setup
 	mkdir -p bench/results
 	$(BIN)/python bench/core.py --json bench/results/core.json | tee bench/results/core.md
+	$(BIN)/python bench/api.py | tee bench/results/api.md
