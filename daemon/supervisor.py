@@ -993,12 +993,8 @@ class Supervisor:
         self._event("probe_failed", detail=msg.detail, consecutive=launch.probe_failures)
         if launch.probe_failures >= limit:
             self._transition(S.UNHEALTHY, detail=msg.detail)
-            self._begin_stop(
-                launch,
-                Next.RETRY,
-                imposed=Classification(
-                    "liveness_failed", f"{limit} consecutive failed probes; last: {msg.detail}"
-                ),
+            self._end_for_retry(
+                launch, "liveness_failed", f"{limit} consecutive failed probes; last: {msg.detail}"
             )
 
     def _on_gpu_sample(self, msg: GpuSample) -> None:
@@ -1026,14 +1022,11 @@ class Supervisor:
         lost = [i for i in launch.rank_gpus if not held.get(i)]
         if lost:
             i = lost[0]
-            self._begin_stop(
+            self._end_for_retry(
                 launch,
-                Next.RETRY,
-                imposed=Classification(
-                    "rank_lost",
-                    f"GPU {i} no longer holds a process of this launch "
-                    f"(it held pid {', '.join(map(str, launch.rank_gpus[i]))} when ready)",
-                ),
+                "rank_lost",
+                f"GPU {i} no longer holds a process of this launch "
+                f"(it held pid {', '.join(map(str, launch.rank_gpus[i]))} when ready)",
             )
 
     def _check_resolvable(self, snap: GpuSnapshot) -> None:
@@ -1082,12 +1075,8 @@ class Supervisor:
         if launch is None or self.state != S.STARTING:
             return
         timeout = launch.config.config.health.startup_timeout_s
-        self._begin_stop(
-            launch,
-            Next.RETRY,
-            imposed=Classification(
-                "startup_timeout", f"not ready within startup_timeout_s={timeout:g}"
-            ),
+        self._end_for_retry(
+            launch, "startup_timeout", f"not ready within startup_timeout_s={timeout:g}"
         )
 
     def _on_stable_uptime(self, msg: StableUptime) -> None:
@@ -1116,6 +1105,11 @@ class Supervisor:
         launch.cancel_tasks()
         launch.child.signal(signal.SIGTERM)
         self._timer(self.settings.stop.grace_s, GraceExpired(launch.gen), launch)
+
+    def _end_for_retry(self, launch: Launch, reason: str, evidence: str) -> None:
+        """We end this launch (it is not ready in time, not live, or lost a rank): stop it, and
+        let the restart policy (or a swap's rollback) decide what follows."""
+        self._begin_stop(launch, Next.RETRY, imposed=Classification(reason, evidence))
 
     def _on_grace_expired(self, msg: GraceExpired) -> None:
         launch = self._current(msg.gen)
