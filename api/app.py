@@ -6,6 +6,7 @@ none of them mutates state.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -39,7 +40,8 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
     app.state.token = read_token(settings.token_file)
     app.state.metrics = routes_events.metrics_registry(supervisor)
     app.state.sweeps = SweepManager(supervisor)
-    guarded = [Depends(require_token)]
+    # With no token_file there is no auth, and the OpenAPI says so (no bearer scheme).
+    guarded = [Depends(require_token)] if app.state.token is not None else []
     app.include_router(routes_status.public)
     app.include_router(routes_chat.public)  # its own auth: bearer or verification token
     for module in (
@@ -63,7 +65,11 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         headers = dict(exc.headers or {})
         if exc.status_code == 405:
-            allowed = headers.get("allow", headers.get("Allow", ""))
+            # The methods the OpenAPI documents for this path (Starlette names only the first
+            # matching route's, and adds HEAD to every GET on its own).
+            allowed = ", ".join(sorted(documented_methods(request.app, request.url.path)))
+            headers = {k: v for k, v in headers.items() if k.lower() != "allow"}
+            headers["Allow"] = allowed
             detail = f"{request.method} {request.url.path} is not allowed; use {allowed}"
             return JSONResponse(error_body("method_not_allowed", detail), 405, headers=headers)
         name = {404: "not_found", 401: "unauthorized"}.get(exc.status_code, "error")
@@ -75,6 +81,17 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
         return JSONResponse(error_body("bad_request", problems), status_code=400)
 
     return app
+
+
+def documented_methods(app: FastAPI, path: str) -> set[str]:
+    table: list[tuple[re.Pattern[str], set[str]]] | None = getattr(app.state, "paths", None)
+    if table is None:
+        table = [
+            (re.compile("^" + re.sub(r"\{[^/]+\}", "[^/]+", p) + "$"), {m.upper() for m in ops})
+            for p, ops in app.openapi()["paths"].items()
+        ]
+        app.state.paths = table
+    return {m for rx, methods in table if rx.match(path) for m in methods}
 
 
 def error_body(error: str, detail: Any) -> dict[str, Any]:

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from fastapi import Path, Query
+from pydantic import BaseModel, Field, StringConstraints
+
+from gpuwarden.daemon.configs import NAME_RE
+
+CONFIG_NAME = NAME_RE.pattern
+# A config name, as a path segment or a query value (the schema carries the pattern).
+ConfigName = Annotated[str, Path(pattern=CONFIG_NAME, description="a config name")]
+ConfigQuery = Annotated[
+    str | None, Query(pattern=CONFIG_NAME, description="a config name (configs/NAME.yaml)")
+]
+ConfigItem = Annotated[str, StringConstraints(pattern=CONFIG_NAME)]
+DumpName = Annotated[str, Path(pattern=r"^[0-9]{8}T[0-9]{6}-[a-z_]+(-[0-9]+)?$")]
+SweepId = Annotated[str, Path(pattern=r"^sweep-[0-9]{8}T[0-9]{6}(\.[0-9]+)?$")]
 
 
 class ErrorBody(BaseModel):
@@ -31,4 +44,12 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
         409: "a conflicting operation is under way",
         422: "invalid config or request",
     }
-    return {c: {"model": ErrorBody, "description": words.get(c, "error")} for c in codes}
+    # The explicit JSON content: on a text route FastAPI would declare the model as text/plain.
+    return {
+        c: {
+            "model": ErrorBody,
+            "description": words.get(c, "error"),
+            "content": {"application/json": {}},
+        }
+        for c in codes
+    }

@@ -8,11 +8,11 @@ from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from gpuwarden.api.auth import token_matches
 from gpuwarden.api.deps import SettingsDep, SupervisorDep
-from gpuwarden.api.models import errors
+from gpuwarden.api.models import DumpName, errors
 from gpuwarden.daemon.chat import (
     HELP,
     build_dump,
@@ -31,6 +31,19 @@ class ChatReply(BaseModel):
     trigger: str | None = None
     dump: dict[str, Any] | None = None
     saved: str | None = None
+
+
+class ChatMessage(BaseModel):
+    text: str = Field(min_length=1)
+    user: str | None = None
+
+
+class SlackForm(BaseModel):
+    text: str = Field(min_length=1)
+    user_name: str | None = None
+    channel_name: str | None = None
+    token: str | None = None
+    response_url: str | None = None
 
 
 class DumpList(BaseModel):
@@ -64,6 +77,15 @@ async def _read_message(request: Request) -> tuple[dict[str, Any], bool]:
     "form-encoded), or a Slack/Mattermost slash-command or outgoing-webhook form. Auth: the "
     "bearer token, or the form's `token` equal to `chat.verification_token`.",
     responses={**errors(400, 401), 200: {"model": ChatReply}},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": ChatMessage.model_json_schema()},
+                "application/x-www-form-urlencoded": {"schema": SlackForm.model_json_schema()},
+            },
+        }
+    },
 )
 async def chat(
     request: Request,
@@ -133,9 +155,7 @@ async def dumps(settings: SettingsDep) -> DumpList:
     response_class=PlainTextResponse,
     responses={**errors(400, 401, 404), 200: {"content": {"text/plain": {}}}},
 )
-async def saved_dump(name: str, settings: SettingsDep) -> PlainTextResponse:
-    if "/" in name or name.startswith(".") or not name.replace("-", "").replace("T", "").isalnum():
-        raise HTTPException(400, f"invalid dump name {name!r}")
+async def saved_dump(name: DumpName, settings: SettingsDep) -> PlainTextResponse:
     path = settings.state_dir / "dumps" / f"{name}.txt"
     if not path.exists():
         raise HTTPException(404, f"no dump {name!r}")

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from gpuwarden.api.deps import SupervisorDep
-from gpuwarden.api.models import errors
+from gpuwarden.api.models import ConfigName, errors
 from gpuwarden.daemon.configs import ConfigError
 from gpuwarden.daemon.supervisor import CommandError
 
@@ -43,7 +43,7 @@ async def list_configs(supervisor: SupervisorDep) -> ConfigList:
     summary="One config resolved (extends applied), with its argv; secrets masked",
     responses=errors(400, 401, 404, 422),
 )
-async def get_config(name: str, supervisor: SupervisorDep) -> dict[str, Any]:
+async def get_config(name: ConfigName, supervisor: SupervisorDep) -> dict[str, Any]:
     try:
         return supervisor.configs.load(name).view()
     except ConfigError as exc:
@@ -61,7 +61,7 @@ async def get_config(name: str, supervisor: SupervisorDep) -> dict[str, Any]:
     summary="The preflight, without touching the running server",
     responses={**errors(400, 401, 404), 422: {"model": CheckResult, "description": "refused"}},
 )
-async def check_config(name: str, supervisor: SupervisorDep) -> Any:
+async def check_config(name: ConfigName, supervisor: SupervisorDep) -> Any:
     result = await supervisor.check(name)
     body = CheckResult(**result.to_json())
     if not result.ok:

@@ -9,10 +9,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from gpuwarden.api.deps import SupervisorDep
-from gpuwarden.api.models import Accepted, errors
+from gpuwarden.api.models import Accepted, ConfigQuery, errors
 
 router = APIRouter(tags=["control"])
-ConfigParam = Annotated[str | None, Query(description="a config name (configs/NAME.yaml)")]
+ConfigParam = ConfigQuery
 
 
 class Outcome(BaseModel):

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, PlainTextResponse
 from pydantic import BaseModel, Field
 
-from gpuwarden.api.models import errors
+from gpuwarden.api.models import ConfigItem, SweepId, errors
 from gpuwarden.daemon.load import LoadSpec
 from gpuwarden.daemon.supervisor import CommandError
 from gpuwarden.daemon.sweep import Sweep, SweepManager
@@ -17,9 +17,9 @@ router = APIRouter(tags=["sweeps"])
 
 
 class SweepBody(BaseModel):
-    configs: list[str] = Field(min_length=1, max_length=64)
-    baseline: str | None = None
-    end_on: str | None = None
+    configs: list[ConfigItem] = Field(min_length=1, max_length=64)
+    baseline: ConfigItem | None = None
+    end_on: ConfigItem | None = None
     requests: int = Field(4, ge=1, le=10000)
     warmup: int = Field(1, ge=0, le=100)
     concurrency: int = Field(1, ge=1, le=256)
@@ -56,18 +56,18 @@ async def start_sweep(request: Request, body: SweepBody) -> dict[str, Any]:
 
 
 @router.get(
-    "/sweeps/{sweep_id}", summary="A sweep's progress and results", responses=errors(401, 404)
+    "/sweeps/{sweep_id}", summary="A sweep's progress and results", responses=errors(400, 401, 404)
 )
-async def get_sweep(request: Request, sweep_id: str) -> dict[str, Any]:
+async def get_sweep(request: Request, sweep_id: SweepId) -> dict[str, Any]:
     return _get(request, sweep_id).view()
 
 
 @router.delete(
     "/sweeps/{sweep_id}",
     summary="Cancel a sweep; the config serving before returns",
-    responses=errors(401, 404),
+    responses=errors(400, 401, 404),
 )
-async def cancel_sweep(request: Request, sweep_id: str) -> dict[str, Any]:
+async def cancel_sweep(request: Request, sweep_id: SweepId) -> dict[str, Any]:
     return (await _manager(request).cancel(sweep_id)).view()
 
 
@@ -81,9 +81,9 @@ def _file(request: Request, sweep_id: str, name: str) -> Any:
 @router.get(
     "/sweeps/{sweep_id}/table.md",
     response_class=PlainTextResponse,
-    responses={**errors(401, 404), 200: {"content": {"text/markdown": {}}}},
+    responses={**errors(400, 401, 404), 200: {"content": {"text/markdown": {}}}},
 )
-async def table_md(request: Request, sweep_id: str) -> PlainTextResponse:
+async def table_md(request: Request, sweep_id: SweepId) -> PlainTextResponse:
     return PlainTextResponse(
         _file(request, sweep_id, "table.md").read_text(), media_type="text/markdown"
     )
@@ -92,9 +92,9 @@ async def table_md(request: Request, sweep_id: str) -> PlainTextResponse:
 @router.get(
     "/sweeps/{sweep_id}/table.csv",
     response_class=PlainTextResponse,
-    responses={**errors(401, 404), 200: {"content": {"text/csv": {}}}},
+    responses={**errors(400, 401, 404), 200: {"content": {"text/csv": {}}}},
 )
-async def table_csv(request: Request, sweep_id: str) -> PlainTextResponse:
+async def table_csv(request: Request, sweep_id: SweepId) -> PlainTextResponse:
     return PlainTextResponse(
         _file(request, sweep_id, "table.csv").read_text(), media_type="text/csv"
     )
@@ -103,7 +103,7 @@ async def table_csv(request: Request, sweep_id: str) -> PlainTextResponse:
 @router.get(
     "/sweeps/{sweep_id}/chart.png",
     response_class=FileResponse,
-    responses={**errors(401, 404), 200: {"content": {"image/png": {}}}},
+    responses={**errors(400, 401, 404), 200: {"content": {"image/png": {}}}},
 )
-async def chart(request: Request, sweep_id: str) -> FileResponse:
+async def chart(request: Request, sweep_id: SweepId) -> FileResponse:
     return FileResponse(_file(request, sweep_id, "chart.png"), media_type="image/png")

@@ -48,6 +48,8 @@ def test_startup_lines_in_sglang_order(standin) -> None:  # type: ignore[no-unty
     # tp=1: no TP prefix; the access log goes to stdout, the rest to stderr.
     assert proc.text("stderr").splitlines()[-1].startswith("[20")
     assert " TP0]" not in proc.text()
+    # The access line is on stdout, a pipe with no order against stderr's ready line: wait.
+    proc.wait_for(r'"POST /generate HTTP/1\.1" 200 OK')
     assert '"POST /generate HTTP/1.1" 200 OK' in proc.text("stdout")
 
 
