@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean standin-table setup
+.PHONY: demo test lint typecheck unit bench soak clean standin-table setup
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,3 +46,7 @@ bench: setup
 	mkdir -p bench/results
 	$(BIN)/python bench/core.py --json bench/results/core.json | tee bench/results/core.md
 	$(BIN)/python bench/api.py | tee bench/results/api.md
+
+# A bounded soak: 1,000 crash -> restart cycles with zero backoff; prints flat-or-not figures.
+soak: setup
+	$(BIN)/python bench/soak.py --cycles 1000
