@@ -104,6 +104,9 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGCHLD, childmod.reap_orphans)
+    # A full disk or a file-size limit must not kill the daemon: with SIGXFSZ ignored, an
+    # oversized write fails with EFBIG, which the log and state writers report and survive.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
     webhooks = Webhooks(supervisor, settings.chat.webhooks)
     webhooks.start()
