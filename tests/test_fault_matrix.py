@@ -133,3 +133,29 @@ def test_disk_full_leaves_supervision_running(procs, tmp_path: Path, fake_gpu: P
     assert st["state"] == "ready"
     proc.signal(signal.SIGTERM)
     assert proc.wait(30) == 0
+
+
+def test_a_sweep_survives_a_crashing_and_a_refused_config(
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:  # type: ignore[no-untyped-def]
+    from .conftest import free_port  # noqa: PLC0415
+
+    port = free_port()
+    cfgs = {
+        "f": standin_config(port=port),
+        "oom": standin_config("--standin-crash-on-load=cuda_oom", port=port),
+        "typo": standin_config("--tp-szie=2", port=port),
+    }
+    d = start_daemon(procs, tmp_path, fake_gpu, cfgs, default="f", restart={"initial_delay_s": 30})
+    d.wait_state("ready")
+    body = {"configs": ["oom", "typo", "f"], "requests": 1, "warmup": 0, "max_tokens": 20}
+    sid = d.http.post("/sweeps", json=body).json()["id"]
+    d.wait_event("server.sweep_finished", sweep_id=sid, timeout=120)
+    rows = {r["config"]: r for r in d.http.get(f"/sweeps/{sid}").json()["rows"]}
+    assert rows["oom"]["status"] == "rolled_back" and rows["typo"]["status"] == "refused"
+    assert rows["f"]["status"] == "ok"
+    assert "CUDA out of memory" in Path(rows["oom"]["log"]).read_text()
+    assert d.status()["config"] == "f" and d.status()["state"] == "ready"
+    result = json.loads((tmp_path / "state" / "sweeps" / sid / "result.json").read_text())
+    assert [r["config"] for r in result["rows"]] == ["oom", "typo", "f"]
+    assert d.proc.popen.poll() is None
