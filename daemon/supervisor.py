@@ -1342,7 +1342,12 @@ class Supervisor:
                 try:
                     snap = await self._snapshot()
                     tree: frozenset[tuple[int, float]] = frozenset()
-                    if launch is not None and launch.child is not None and not launch.exited:
+                    holders = any(g.processes for g in snap.gpus)
+                    running = launch is not None and launch.child is not None and not launch.exited
+                    watching = launch is not None and bool(launch.rank_gpus)
+                    # The tree walk reads /proc: only worth it when some GPU lists a process, or
+                    # when ranks are watched (a lost rank shows as a GPU that lists none).
+                    if (holders or watching) and running and launch is not None and launch.child:
                         tree = await asyncio.to_thread(_launch_tree, launch.child.pid)
                     self.post(GpuSample(launch.gen if launch else 0, snap, tree))
                 except Exception:
