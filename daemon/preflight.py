@@ -5,8 +5,11 @@ argparse parser (SGLang: ``ServerArgs.add_cli_args``; the stand-in: its ``add_cl
 dumps its options (strings, nargs, type, choices). The config's argv is then parsed by an
 equivalent parser here, abbreviations and all, so ``--tp 2`` passes and
 ``--speculative-eagle-top-k 4`` fails in milliseconds instead of after seconds of imports.
-Otherwise the options are rebuilt from ``--help`` (types unknown: a warning says so).
-Results are cached per interpreter, package version and version-selecting flags.
+Otherwise the options are rebuilt from the server's ``--help`` (types unknown: a warning says
+so). Results are cached per interpreter, package version and version-selecting flags. Only
+SGLang and the stand-in are ever run to learn their options: any other command (vLLM, a
+script) is not executed by preflight, since ``--help`` may mean anything to it; its argv is
+not checked and a warning says so.
 
 Also checked: local model and draft paths exist; the port is free or held by the server being
 replaced. Every problem is reported, in SGLang's wording where SGLang has one.
@@ -173,11 +176,18 @@ class Preflight:
             try:
                 out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
             except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, 9)
-                await proc.wait()
+                await self._kill(proc)
                 return -1, "", f"no answer within {timeout_s:g} s"
+            except BaseException:  # cancelled (a stop, the daemon's shutdown): leave nothing
+                await asyncio.shield(self._kill(proc))
+                raise
         return proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")
+
+    @staticmethod
+    async def _kill(proc: asyncio.subprocess.Process) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        await proc.wait()
 
     async def parser_for(self, cfg: ResolvedConfig) -> tuple[ParserSpec | None, list[str]]:
         """The server's options, and warnings about how they were obtained."""
@@ -223,7 +233,13 @@ class Preflight:
                 warnings.append(
                     f"{interp} cannot build {cli.module}'s parser ({last}); using --help"
                 )
-        # Rebuild from --help.
+        if cli.module not in _SCRIPTS:
+            program = " ".join(Path(a).name if i == 0 else a for i, a in enumerate(cli.program))
+            return None, [
+                f"`{program}` is neither SGLang nor the stand-in: preflight does not run it, "
+                "so its argv was not checked"
+            ]
+        # Rebuild from the server's --help.
         key = ("help", *cli.program, _version_flags(cli.args))
         if key in self._cache:
             spec = self._cache[key]

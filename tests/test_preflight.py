@@ -1,0 +1,55 @@
+"""Preflight runs only SGLang and the stand-in to learn their options, and leaves no process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuwarden.daemon.preflight import Preflight
+
+from .conftest import alive, wait_until
+from .daemon_harness import start_daemon
+
+PY = sys.executable
+
+
+async def test_a_cancelled_introspection_leaves_no_process(tmp_path: Path) -> None:
+    fifo = tmp_path / "pid"
+    os.mkfifo(fifo)
+    code = f"import os, time; open({str(fifo)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    task = asyncio.create_task(Preflight()._run([PY, "-c", code], 60, dict(os.environ)))
+    pid = int(await asyncio.wait_for(asyncio.to_thread(fifo.read_text), 30))
+    assert alive(pid)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not alive(pid)
+
+
+def test_preflight_never_runs_a_program_it_does_not_know(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:
+    ran = tmp_path / "ran.txt"
+    script = tmp_path / "server.py"
+    script.write_text(
+        "import sys, time\n"
+        f"open({str(ran)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+        "time.sleep(60)\n"
+    )
+    cfg = {
+        "command": [PY, str(script), "--mode", "serve"],
+        "health": {"url": "http://127.0.0.1:9/health", "startup_timeout_s": 60},
+    }
+    d = start_daemon(procs, tmp_path, fake_gpu, {"script": cfg}, default=None)
+    res = d.http.post("/configs/script/check")
+    assert res.status_code == 200 and res.json()["ok"] is True
+    assert any("neither SGLang nor the stand-in" in w for w in res.json()["warnings"])
+    assert not ran.exists()  # not run with --help, nor at all
+    assert d.http.post("/start", params={"config": "script"}).status_code == 202
+    wait_until(ran.exists, 30, "the program's one run")
+    d.wait_state("starting")
+    assert ran.read_text() == "--mode serve\n"
