@@ -41,11 +41,19 @@ standin-table: setup
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
 
-# Benchmarks print figures; they are not part of `make test`.
-bench: setup
-	mkdir -p bench/results
-	$(BIN)/python bench/core.py --json bench/results/core.json | tee bench/results/core.md
-	$(BIN)/python bench/api.py | tee bench/results/api.md
+# Benchmarks print figures; they are not part of `make test`. The peers (supervisord from PyPI,
+# PM2 from npm with this machine's node) are installed into bench/.peers, apart from the project.
+PEERS := bench/.peers
+$(PEERS)/.installed:
+	$(PYTHON) -m venv $(PEERS)/venv
+	$(PEERS)/venv/bin/python -m pip install -q supervisor==4.3.0
+	npm install --silent --no-audit --no-fund --prefix $(PEERS)/npm pm2@7.0.4
+	touch $@
+
+# gpuwarden, supervisord and PM2 side by side (and gpuwarden's own figures); writes
+# bench/results/peers.{md,json} and the README's table.
+bench: setup $(PEERS)/.installed
+	$(BIN)/python bench/peers.py --readme README.md
 
 # A bounded soak: 1,000 crash -> restart cycles with zero backoff; prints flat-or-not figures.
 soak: setup

@@ -157,20 +157,6 @@ def test_stop_during_a_swap_wins(procs, tmp_path: Path, fake_gpu: Path) -> None:
     assert d.status()["intent"]["running"] is False
 
 
-def test_two_concurrent_swaps_one_gets_409(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
-    configs = two_configs(slow=standin_config(scale=0.5))
-    d = start_daemon(procs, tmp_path, fake_gpu, configs, default="good")
-    d.wait_state("ready")
-    with ThreadPoolExecutor(2) as pool:
-        a = pool.submit(d.http.post, "/restart", params={"config": "slow"})
-        b = pool.submit(d.http.post, "/restart", params={"config": "other"})
-        codes = sorted([a.result().status_code, b.result().status_code])
-    assert codes == [202, 409]
-    conflict = (a.result() if a.result().status_code == 409 else b.result()).json()
-    assert conflict["error"] == "conflict" and "is under way" in conflict["detail"]
-    assert d.http.post("/start").status_code == 409
-
-
 def test_auth_names_and_methods(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "token").write_text("s3cret-token\n")
     d = start_daemon(procs, tmp_path, fake_gpu, two_configs(), token_file="./token")

@@ -158,37 +158,6 @@ def test_daemon_sigterm_leaves_nothing_and_exits_0(procs, tmp_path: Path, fake_g
     assert state["current_launch"] is None
 
 
-def test_daemon_sigkill_then_restart_stops_the_old_group_and_resumes(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
-) -> None:
-    d = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
-    d.wait_state("ready")
-    old = d.status()["pid"]
-    d.proc.signal(signal.SIGKILL)
-    d.proc.wait(10)
-    assert alive(old)  # the server outlives a killed daemon ...
-    # ... and the next daemon stops it before launching anything.
-    d2 = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default=None)
-    found = d2.wait_event("server.previous_server_found")
-    assert found["pid"] == old
-    stopped = d2.wait_event("server.previous_server_stopped")
-    launch = d2.wait_event("server.launch")
-    assert launch["_index"] > stopped["_index"]
-    assert not alive(old)
-    d2.wait_state("ready")
-    assert d2.status()["config"] == "base"  # the saved intent won (default_config is unset)
-
-
-def test_corrupt_state_file_is_moved_aside(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
-    (tmp_path / "state").mkdir()
-    (tmp_path / "state" / "state.json").write_text("{not json")
-    d = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
-    note = d.wait_event("server.state_file_corrupt")
-    assert "moved to state.json.corrupt-" in note["detail"]
-    d.wait_state("ready")
-    assert list((tmp_path / "state").glob("state.json.corrupt-*"))
-
-
 def test_busy_port_for_the_daemon_exits_1_naming_it(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
     import socket  # noqa: PLC0415
 

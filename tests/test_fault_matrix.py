@@ -1,5 +1,10 @@
 """The fault matrix: each row a fault with real processes; supervision goes on and nothing is
-lost (the log keeps the evidence, the events and state.json record the exit)."""
+lost (the log keeps the evidence, the events and state.json record the exit).
+
+Rows: every stand-in fault; an exit-2 config error; the port in use; a foreign GPU holder; the
+log dir not writable; a full disk (a file-size limit); a corrupt state file at start; the daemon
+SIGKILLed, then started again; concurrent swaps and a stop; a webhook that hangs or fails; a
+sweep through a crashing and a refused config."""
 
 from __future__ import annotations
 
@@ -7,12 +12,14 @@ import json
 import resource
 import signal
 import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .conftest import PY, Proc
+from .conftest import PY, Proc, alive, wait_until
 from .daemon_harness import Daemon, standin_config, start_daemon
 
 ROWS: list[tuple[str, list[str], dict[str, Any], str, str]] = [
@@ -159,3 +166,165 @@ def test_a_sweep_survives_a_crashing_and_a_refused_config(
     result = json.loads((tmp_path / "state" / "sweeps" / sid / "result.json").read_text())
     assert [r["config"] for r in result["rows"]] == ["oom", "typo", "f"]
     assert d.proc.popen.poll() is None
+
+
+def recorded(root: Path) -> list[dict[str, Any]]:
+    """events.jsonl as written so far (a background writer keeps it)."""
+    path = root / "state" / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_foreign_gpu_holder(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    from .test_fakegpu import start_holder  # noqa: PLC0415
+
+    holder = start_holder(procs, fake_gpu, 0, 50000)
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"f": standin_config()},
+        default="f",
+        gpu={"release_timeout_s": 0.3},
+        restart={"initial_delay_s": 0.2, "jitter": 0},
+    )
+    ex = d.wait_event("server.exit", reason="gpu_busy")
+    assert f"pid {holder.pid}" in ex["evidence"]
+    assert alive(holder.pid)  # a foreign holder is never killed
+    wait_until(
+        lambda: any(e.get("reason") == "gpu_busy" for e in recorded(tmp_path)),
+        10,
+        "the gpu_busy exit in events.jsonl",
+    )
+    holder.signal(signal.SIGTERM)
+    holder.wait(10)
+    d.wait_state("ready", after=ex["_index"], timeout=30)  # supervision went on
+
+
+def test_log_dir_not_writable(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "afile").write_text("")  # root ignores permissions: a path through a file
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"f": standin_config()},
+        default="f",
+        log_dir="./afile/logs",
+        restart={"initial_delay_s": 0.05, "jitter": 0},
+    )
+    first = d.wait_event("server.exit", reason="log_unwritable")
+    assert "afile/logs" in first["evidence"]
+    d.wait_event("server.exit", reason="log_unwritable", after=first["_index"])  # retried
+    assert not [r for r in d.records() if r.get("event") == "server.launch"]  # no log, no run
+    wait_until(
+        lambda: any(e.get("reason") == "log_unwritable" for e in recorded(tmp_path)),
+        10,
+        "the exit in events.jsonl",
+    )
+    state = tmp_path / "state" / "state.json"
+    wait_until(  # written off the loop, after the message that changed it
+        lambda: json.loads(state.read_text())["intent"] == {"config": "f", "running": True},
+        10,
+        "the intent in state.json",
+    )
+    assert d.proc.popen.poll() is None
+
+
+def test_corrupt_state_file_is_moved_aside(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "state.json").write_text("{not json")
+    d = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
+    note = d.wait_event("server.state_file_corrupt")
+    assert "moved to state.json.corrupt-" in note["detail"]
+    d.wait_state("ready")
+    (aside,) = (tmp_path / "state").glob("state.json.corrupt-*")
+    assert aside.read_text() == "{not json"  # kept as it was, for a person to read
+
+
+def test_daemon_sigkill_then_restart_stops_the_old_group_and_resumes(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:
+    d = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
+    d.wait_state("ready")
+    old = d.status()["pid"]
+    first_log = Path(d.status()["log_file"])
+    d.proc.signal(signal.SIGKILL)
+    d.proc.wait(10)
+    assert alive(old)  # the server outlives a killed daemon ...
+    # ... and the next daemon stops it before launching anything.
+    d2 = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default=None)
+    found = d2.wait_event("server.previous_server_found")
+    assert found["pid"] == old
+    stopped = d2.wait_event("server.previous_server_stopped")
+    launch = d2.wait_event("server.launch")
+    assert launch["_index"] > stopped["_index"]
+    assert not alive(old)
+    d2.wait_state("ready")
+    assert d2.status()["config"] == "base"  # the saved intent won (default_config is unset)
+    assert "fired up and ready" in first_log.read_text()  # the first life's log is kept
+    launches = [e for e in recorded(tmp_path) if e["event"] == "launch"]
+    assert len(launches) == 2  # both lives' launches are in events.jsonl
+
+
+def test_concurrent_swaps_and_a_stop(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    from .test_api import two_configs  # noqa: PLC0415
+
+    configs = two_configs(slow=standin_config(scale=0.5))
+    d = start_daemon(procs, tmp_path, fake_gpu, configs, default="good")
+    d.wait_state("ready")
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(d.http.post, "/restart", params={"config": "slow"})
+        b = pool.submit(d.http.post, "/restart", params={"config": "other"})
+        codes = sorted([a.result().status_code, b.result().status_code])
+    assert codes == [202, 409]
+    conflict = (a.result() if a.result().status_code == 409 else b.result()).json()
+    assert conflict["error"] == "conflict" and "is under way" in conflict["detail"]
+    assert d.http.post("/start").status_code == 409
+    assert d.http.post("/stop").status_code == 202  # stop wins over the swap under way
+    d.wait_state("stopped")
+    st = d.status()
+    assert st["intent"]["running"] is False and st["pid"] is None
+    launched = {r["pid"] for r in d.records() if r.get("event") == "server.launch"}
+    assert not [pid for pid in launched if alive(pid)]
+    wait_until(
+        lambda: (
+            {e.get("launch_id") for e in recorded(tmp_path) if e["event"] == "exit"}
+            >= {r["launch_id"] for r in d.records() if r.get("event") == "server.launch"}
+        ),
+        10,
+        "an exit in events.jsonl for every launch",
+    )
+
+
+@pytest.mark.parametrize("mode", ["hang", "500"])
+def test_a_bad_webhook_never_delays_the_relaunch(
+    procs, tmp_path: Path, fake_gpu: Path, mode: str
+) -> None:  # type: ignore[no-untyped-def]
+    from .test_chat import Receiver  # noqa: PLC0415
+
+    receiver = Receiver(mode)
+    try:
+        cfg = standin_config("--standin-crash-after=0.1")
+        d = start_daemon(
+            procs,
+            tmp_path,
+            fake_gpu,
+            {"c": cfg},
+            default="c",
+            restart={"initial_delay_s": 0, "crash_loop_after": 100},
+            chat={"webhooks": [receiver.url]},
+        )
+        ex = d.wait_event("server.exit", reason="crash")
+        t0 = time.monotonic()
+        d.wait_event("server.launch", after=ex["_index"], timeout=10)
+        assert time.monotonic() - t0 < 3  # the webhook hangs 30 s or fails: supervision goes on
+        if mode == "500":
+            failed = d.wait_event("server.notify_failed", timeout=30)
+            assert failed["webhook"] == "#1" and "after 3 attempts" in failed["error"]
+            assert len(receiver.posts) >= 3
+        wait_until(
+            lambda: any(e.get("reason") == "crash" for e in recorded(tmp_path)),
+            10,
+            "the crash in events.jsonl",
+        )
+    finally:
+        receiver.close()

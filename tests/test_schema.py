@@ -43,6 +43,7 @@ def test_api_conforms_to_its_own_openapi(procs, tmp_path: Path, fake_gpu: Path) 
         text=True,
         timeout=300,
         check=False,
+        cwd=tmp_path,  # its cache (.schemathesis/) stays with the test
     )
     summary = "\n".join(res.stdout.splitlines()[-25:])
     assert res.returncode == 0, summary
