@@ -1050,11 +1050,16 @@ def render(res: dict[str, Any]) -> str:
             walls,
             fmt_s,
         )
-        lost = {k: max(p["lines"] - x["lines"] for x in v) for k, v in runs.items()}
+        lost = {k: [p["lines"] - x["lines"] for x in v] for k, v in runs.items()}
+
+        def losses(values: list[int]) -> str:
+            hit = [x for x in values if x]
+            return f"{max(hit):,} ({len(hit)} of {len(values)} runs)" if hit else "0"
+
         plain(
-            "  lines lost, child SIGKILLed right after its last write (worst run)",
-            str(lost["floor"]),
-            {k: str(lost[k]) for k in ["gpuwarden", *PEER_NAMES]},
+            "  lines lost, the child SIGKILLed right after its last write (worst run)",
+            losses(lost["floor"]),
+            {k: losses(lost[k]) for k in ["gpuwarden", *PEER_NAMES]},
         )
         peaks = {k: [x["peak_rss_mib"] for x in v] for k, v in runs.items() if k != "floor"}
         rows.append(
