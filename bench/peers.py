@@ -500,7 +500,11 @@ class Supervisord(Tool):
         return self.proc.pid
 
     def request_stop(self) -> None:
-        self.rpc.supervisor.stopProcess("child", False)
+        try:
+            self.rpc.supervisor.stopProcess("child", False)
+        except xmlrpc.client.Fault as exc:
+            if "NOT_RUNNING" not in exc.faultString:  # between two runs of a crashing child
+                raise
 
     def state(self) -> str:
         info = self.rpc.supervisor.getProcessInfo("child")
