@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -321,3 +322,19 @@ def test_each_cli_command_against_a_live_daemon(procs, tmp_path: Path, fake_gpu:
     d.wait_state("stopped", after=mark)
     res = offline_check()
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_date_header_stays_current(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    """uvicorn's tick runs once a second here: the Date header must still move with time."""
+    from email.utils import parsedate_to_datetime  # noqa: PLC0415
+
+    from .conftest import wait_until  # noqa: PLC0415
+
+    d = start_daemon(procs, tmp_path, fake_gpu, {})
+
+    def date() -> float:
+        return parsedate_to_datetime(d.http.get("/healthz").headers["date"]).timestamp()
+
+    first = date()
+    wait_until(lambda: date() > first, 5, "the Date header to move on")
+    assert abs(date() - time.time()) <= 2
