@@ -15,6 +15,7 @@ prefix holding pm2. Nothing of theirs is vendored into the project.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import http.client
 import json
@@ -40,15 +41,18 @@ from typing import Any
 import psutil
 import yaml
 
-PY = sys.executable
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import core  # noqa: E402 - bench/core.py, next to this file
+
+PY = core.PY
 PEERS = Path(os.environ.get("GPUWARDEN_BENCH_PEERS", HERE / ".peers"))
 SUPERVISORD = PEERS / "venv" / "bin" / "supervisord"
 PM2_PREFIX = PEERS / "npm"
 PM2_BIN = PM2_PREFIX / "node_modules" / ".bin" / "pm2"
 PM2_MODULE = PM2_PREFIX / "node_modules" / "pm2"
 
-# -- the child programs (python -c CODE ARGS...) --------------------------------------------------
+# -- the child programs (run as script files: see py()) --------------------------------------------
 
 # Notes its first instruction's time and, after DELAY s, its last one's; then exits 1.
 CRASHER = """
@@ -173,7 +177,9 @@ def script_file(code: str, suffix: str = ".py") -> Path:
     script = _SCRIPTS.get(code)
     if script is None:
         folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpuwarden-bench-{os.getpid()}"
-        folder.mkdir(exist_ok=True)
+        if not folder.exists():
+            folder.mkdir()
+            atexit.register(shutil.rmtree, folder, True)
         script = folder / f"script{len(_SCRIPTS)}{suffix}"
         script.write_text(code)
         _SCRIPTS[code] = script
@@ -197,13 +203,13 @@ class Program:
     observe: bool = True  # run the tool's observer (off for the idle figures)
     gw_settings: dict[str, Any] = field(default_factory=dict)  # gpuwarden only: more settings
     gw_config: dict[str, Any] = field(default_factory=dict)  # gpuwarden only: more config keys
+    gw_env: dict[str, str] = field(default_factory=dict)  # gpuwarden only: the daemon's env
 
 
 @dataclass
 class Event:
     t: float  # when the observer received it (host CLOCK_REALTIME)
     kind: str  # "start", "exit", "stopped", "gave_up"
-    raw: str = ""
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
@@ -212,6 +218,17 @@ def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def end(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, 30 s, then SIGKILL: how the supervisors themselves are stopped."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def vm_hwm_mib(pid: int) -> float:
@@ -317,6 +334,7 @@ class Gpuwarden(Tool):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.prog.gw_env},
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -350,13 +368,13 @@ class Gpuwarden(Tool):
         for t, r in self.records():
             ev, to = r.get("event"), r.get("to")
             if ev == "server.launch":
-                out.append(Event(t, "start", json.dumps(r)))
+                out.append(Event(t, "start"))
             elif ev == "server.state" and ("returncode" in r or "signal" in r):
-                out.append(Event(t, "exit", json.dumps(r)))
+                out.append(Event(t, "exit"))
             elif ev == "server.state" and to == "stopped":
-                out.append(Event(t, "stopped", json.dumps(r)))
+                out.append(Event(t, "stopped"))
             elif ev == "server.state" and to in ("crash_loop", "failed"):
-                out.append(Event(t, "gave_up", json.dumps(r)))
+                out.append(Event(t, "gave_up"))
         return out
 
     def log_files(self) -> list[Path]:
@@ -387,13 +405,7 @@ class Gpuwarden(Tool):
         return str(status["state"]) + (", crash loop" if status.get("crash_loop") else "")
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end(self.proc)
         self._reader.join(10)
 
 
@@ -493,7 +505,7 @@ class Supervisord(Tool):
                 continue
             kind = self.KINDS.get(parts[1])
             if kind:
-                out.append(Event(float(parts[0]), kind, parts[1] + " " + parts[2]))
+                out.append(Event(float(parts[0]), kind))
         return out
 
     def supervisor_pid(self) -> int:
@@ -511,13 +523,7 @@ class Supervisord(Tool):
         return str(info["statename"])  # type: ignore[index]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end(self.proc)
 
 
 class Pm2(Tool):
@@ -593,7 +599,7 @@ class Pm2(Tool):
                 rec = json.loads(line)
                 kind = self.KINDS.get(rec.get("event", ""))
                 if kind:
-                    out.append(Event(float(rec["t"]), kind, line))
+                    out.append(Event(float(rec["t"]), kind))
         return out
 
     def supervisor_pid(self) -> int:
@@ -617,12 +623,6 @@ class Pm2(Tool):
 
 
 TOOLS: list[type[Tool]] = [Gpuwarden, Supervisord, Pm2]
-
-
-@dataclass
-class Running:
-    tool: Tool
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -691,8 +691,9 @@ def measure_defaults(seconds: float, tmp: Path) -> dict[str, Any]:
             path = tmp / f"{cls.name}-defaults.txt"
             prog = Program(py(CRASHER, str(path), "0.2"), policy="defaults", stop_timeout_s=10)
             tool = cls(tmp / f"{cls.name}-defaults", prog)
+            t0 = time.time()
             tool.start()
-            tools.append((tool, path, time.time()))
+            tools.append((tool, path, t0))
         time.sleep(seconds)
         for tool, path, t0 in tools:
             runs = stamps(path)
@@ -833,11 +834,13 @@ def measure_gpu_freed(rounds: int, tmp: Path) -> dict[str, list[float]]:
     root = tmp / "gpu-freed"
     fake = root / "fakegpu"
     fakegpu.init_dir(fake, 1, fakegpu.DEFAULT_TOTAL_MIB, 0.0)
-    os.environ[fakegpu.ENV_DIR] = str(fake)
     starts = root / "starts.txt"
-    prog = Program(py(STAMP_SLEEPER, str(starts)))
-    prog.gw_settings = {"gpu": {"backend": "fake"}}
-    prog.gw_config = {"gpus": [0]}
+    prog = Program(
+        py(STAMP_SLEEPER, str(starts)),
+        gw_settings={"gpu": {"backend": "fake"}},
+        gw_config={"gpus": [0]},
+        gw_env={fakegpu.ENV_DIR: str(fake)},
+    )
     to_exec, to_first = [], []
     rng = random.Random(9)
     tool = Gpuwarden(root, prog)
@@ -876,7 +879,6 @@ def measure_gpu_freed(rounds: int, tmp: Path) -> dict[str, list[float]]:
         holder.kill()
         holder.wait()
         tool.close()
-        os.environ.pop(fakegpu.ENV_DIR, None)
     return {"freed_to_exec_s": to_exec, "freed_to_first_instruction_s": to_first}
 
 
@@ -885,13 +887,6 @@ def measure_gpu_freed(rounds: int, tmp: Path) -> dict[str, list[float]]:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
 def fmt_ms(x: float | None) -> str:
@@ -936,10 +931,7 @@ def machine() -> dict[str, str]:
 
 
 def run_all(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    sys.path.insert(0, str(HERE))
-    import core  # noqa: PLC0415
-
-    import api as control  # noqa: PLC0415 - bench/api.py
+    import api as control  # noqa: PLC0415 - bench/api.py (the name shadows nothing here)
 
     res: dict[str, Any] = {"machine": machine(), "versions": {}, "params": vars(args).copy()}
     res["params"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in res["params"].items()}
@@ -1009,23 +1001,15 @@ def render(res: dict[str, Any]) -> str:
     m, v, p = res["machine"], res["versions"], res["params"]
     rows: list[list[str]] = []
 
-    def timed(
-        label: str, key: str, values: dict[str, list[float]], fmt: Callable[..., str]
+    def stat_row(
+        label: str, values: dict[str, list[float]], fmt: Callable[..., str], q: float = 0.5
     ) -> None:
-        del key
-        meds = {k: median(x) for k, x in values.items()}
+        """A row of one statistic per tool (the median, or the q-quantile) and the ratios."""
+        x = {k: median(v) if q == 0.5 else core.pct(v, q) for k, v in values.items()}
         rows.append(
-            [label, fmt(meds.get("floor")), fmt(meds["gpuwarden"])]
-            + [fmt(meds[n]) for n in PEER_NAMES]
-            + [ratio(meds["gpuwarden"], meds[n]) for n in PEER_NAMES]
-        )
-
-    def p95(label: str, values: dict[str, list[float]]) -> None:
-        q = {k: pct(x, 0.95) for k, x in values.items()}
-        rows.append(
-            [label, fmt_ms(q.get("floor")), fmt_ms(q["gpuwarden"])]
-            + [fmt_ms(q[n]) for n in PEER_NAMES]
-            + [ratio(q["gpuwarden"], q[n]) for n in PEER_NAMES]
+            [label, fmt(x.get("floor")), fmt(x["gpuwarden"])]
+            + [fmt(x[n]) for n in PEER_NAMES]
+            + [ratio(x["gpuwarden"], x[n]) for n in PEER_NAMES]
         )
 
     def plain(label: str, floor: str, cells: dict[str, str]) -> None:
@@ -1034,10 +1018,10 @@ def render(res: dict[str, Any]) -> str:
     r = res["restart"]
     gaps = {k: x["gap_s"] for k, x in r.items()}
     exits = {k: x["exit_s"] for k, x in r.items()}
-    timed("crash → next start, each tool's minimum restart delay (median)", "gap", gaps, fmt_ms)
-    p95("  p95", gaps)
-    timed("exit → state change, as each tool reports it (median)", "exit", exits, fmt_ms)
-    p95("  p95", exits)
+    stat_row("crash → next start, each tool's minimum restart delay (median)", gaps, fmt_ms)
+    stat_row("  p95", gaps, fmt_ms, q=0.95)
+    stat_row("exit → state change, as each tool reports it (median)", exits, fmt_ms)
+    stat_row("  p95", exits, fmt_ms, q=0.95)
     d = res["defaults"]
     plain(
         f"defaults, {p['defaults_s']:g} s of a child crashing 0.2 s after start: starts",
@@ -1057,10 +1041,9 @@ def render(res: dict[str, Any]) -> str:
     for mode, runs in res["capture"].items():
         what = "one write per line" if mode == "line" else "64 KiB buffered writes"
         walls = {k: [x["wall_s"] for x in v] for k, v in runs.items()}
-        timed(
+        stat_row(
             f"log capture, {p['lines']:,} lines of 80 B, {what}: child wall time "
             "(floor: to a file)",
-            "wall",
             walls,
             fmt_s,
         )
@@ -1090,9 +1073,8 @@ def render(res: dict[str, Any]) -> str:
         k: [x["signal_to_stopped_s"] for x in v if x["signal_to_stopped_s"]]
         for k, v in res["stop"].items()
     }
-    timed(
+    stat_row(
         "stop, child ignoring TERM/INT, 1 s timeout: polite signal → stopped reported",
-        "stop",
         stops,
         fmt_s,
     )
@@ -1136,9 +1118,9 @@ def render(res: dict[str, Any]) -> str:
     st, sw = res["status"], res["swap"]
     own = (
         "| gpuwarden only | median | p95 / max |\n|---|---|---|\n"
-        f"| ready line → `ready` | {fmt_ms(median(ready))} | {fmt_ms(pct(ready, 0.95))} |\n"
+        f"| ready line → `ready` | {fmt_ms(median(ready))} | {fmt_ms(core.pct(ready, 0.95))} |\n"
         f"| fake GPU freed → next exec (GPU poll every 0.1 s while waiting) "
-        f"| {fmt_ms(median(freed))} | {fmt_ms(pct(freed, 0.95))} |\n"
+        f"| {fmt_ms(median(freed))} | {fmt_ms(core.pct(freed, 0.95))} |\n"
         f"| `/status` at {st['rate']:.0f} req/s while the server floods its log"
         f"{'' if st['still_flooding_at_end'] else ' (the flood ended early)'} (p50, p99) "
         f"| {fmt_ms(st['p50_s'])} | {fmt_ms(st['p99_s'])} |\n"
