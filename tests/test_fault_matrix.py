@@ -13,6 +13,7 @@ import resource
 import signal
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -74,10 +75,15 @@ def check_nothing_lost(d: Daemon, root: Path, reason: str, line: str) -> None:
         if r.get("event") == "server.launch" and r.get("launch_id") == ex["launch_id"]
     )
     assert line.lower() in Path(log["log_file"]).read_text(errors="replace").lower()
-    events = [json.loads(x) for x in (root / "state" / "events.jsonl").read_text().splitlines()]
-    assert any(e["event"] == "exit" and e.get("launch_id") == ex["launch_id"] for e in events)
-    state = json.loads((root / "state" / "state.json").read_text())
-    assert state["intent"]["config"] == "f"
+    wait_recorded(
+        root,
+        f"the exit of {ex['launch_id']}",
+        lambda ev: any(e["event"] == "exit" and e.get("launch_id") == ex["launch_id"] for e in ev),
+    )
+    state = root / "state" / "state.json"
+    wait_until(  # written off the loop, after the message that changed it
+        lambda: json.loads(state.read_text())["intent"]["config"] == "f", 10, "the intent"
+    )
     assert d.proc.popen.poll() is None  # supervision goes on
 
 
@@ -174,6 +180,17 @@ def recorded(root: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def wait_recorded(
+    root: Path, what: str, pred: Callable[[list[dict[str, Any]]], bool], timeout: float = 10
+) -> None:
+    """Wait for events.jsonl to satisfy `pred` (the writer runs off the daemon's loop)."""
+    wait_until(lambda: pred(recorded(root)), timeout, f"{what} in events.jsonl")
+
+
+def has_exit(reason: str) -> Callable[[list[dict[str, Any]]], bool]:
+    return lambda events: any(e["event"] == "exit" and e.get("reason") == reason for e in events)
+
+
 def test_foreign_gpu_holder(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
     from .test_fakegpu import start_holder  # noqa: PLC0415
 
@@ -190,11 +207,7 @@ def test_foreign_gpu_holder(procs, tmp_path: Path, fake_gpu: Path) -> None:  # t
     ex = d.wait_event("server.exit", reason="gpu_busy")
     assert f"pid {holder.pid}" in ex["evidence"]
     assert alive(holder.pid)  # a foreign holder is never killed
-    wait_until(
-        lambda: any(e.get("reason") == "gpu_busy" for e in recorded(tmp_path)),
-        10,
-        "the gpu_busy exit in events.jsonl",
-    )
+    wait_recorded(tmp_path, "the gpu_busy exit", has_exit("gpu_busy"))
     holder.signal(signal.SIGTERM)
     holder.wait(10)
     d.wait_state("ready", after=ex["_index"], timeout=30)  # supervision went on
@@ -215,11 +228,7 @@ def test_log_dir_not_writable(procs, tmp_path: Path, fake_gpu: Path) -> None:  #
     assert "afile/logs" in first["evidence"]
     d.wait_event("server.exit", reason="log_unwritable", after=first["_index"])  # retried
     assert not [r for r in d.records() if r.get("event") == "server.launch"]  # no log, no run
-    wait_until(
-        lambda: any(e.get("reason") == "log_unwritable" for e in recorded(tmp_path)),
-        10,
-        "the exit in events.jsonl",
-    )
+    wait_recorded(tmp_path, "the log_unwritable exit", has_exit("log_unwritable"))
     state = tmp_path / "state" / "state.json"
     wait_until(  # written off the loop, after the message that changed it
         lambda: json.loads(state.read_text())["intent"] == {"config": "f", "running": True},
@@ -261,8 +270,9 @@ def test_daemon_sigkill_then_restart_stops_the_old_group_and_resumes(  # type: i
     d2.wait_state("ready")
     assert d2.status()["config"] == "base"  # the saved intent won (default_config is unset)
     assert "fired up and ready" in first_log.read_text()  # the first life's log is kept
-    launches = [e for e in recorded(tmp_path) if e["event"] == "launch"]
-    assert len(launches) == 2  # both lives' launches are in events.jsonl
+    wait_recorded(  # both lives' launches
+        tmp_path, "two launches", lambda ev: sum(e["event"] == "launch" for e in ev) == 2
+    )
 
 
 def test_concurrent_swaps_and_a_stop(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
@@ -283,15 +293,13 @@ def test_concurrent_swaps_and_a_stop(procs, tmp_path: Path, fake_gpu: Path) -> N
     d.wait_state("stopped")
     st = d.status()
     assert st["intent"]["running"] is False and st["pid"] is None
-    launched = {r["pid"] for r in d.records() if r.get("event") == "server.launch"}
-    assert not [pid for pid in launched if alive(pid)]
-    wait_until(
-        lambda: (
-            {e.get("launch_id") for e in recorded(tmp_path) if e["event"] == "exit"}
-            >= {r["launch_id"] for r in d.records() if r.get("event") == "server.launch"}
-        ),
-        10,
-        "an exit in events.jsonl for every launch",
+    pids = {r["pid"] for r in d.records() if r.get("event") == "server.launch"}
+    assert not [pid for pid in pids if alive(pid)]
+    launched = {r["launch_id"] for r in d.records() if r.get("event") == "server.launch"}
+    wait_recorded(
+        tmp_path,
+        "an exit for every launch",
+        lambda ev: {e.get("launch_id") for e in ev if e["event"] == "exit"} >= launched,
     )
 
 
@@ -321,10 +329,6 @@ def test_a_bad_webhook_never_delays_the_relaunch(
             failed = d.wait_event("server.notify_failed", timeout=30)
             assert failed["webhook"] == "#1" and "after 3 attempts" in failed["error"]
             assert len(receiver.posts) >= 3
-        wait_until(
-            lambda: any(e.get("reason") == "crash" for e in recorded(tmp_path)),
-            10,
-            "the crash in events.jsonl",
-        )
+        wait_recorded(tmp_path, "the crash", has_exit("crash"))
     finally:
         receiver.close()
