@@ -35,6 +35,10 @@ log = structlog.get_logger("gpuwarden")
 class _Server(uvicorn.Server):
     """uvicorn's server, with the daemon owning the signals and a quieter idle loop."""
 
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._exit = asyncio.Event()  # binds to the running loop on first use (3.10+)
+
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield  # the daemon owns the signals
@@ -43,16 +47,13 @@ class _Server(uvicorn.Server):
         """uvicorn ticks ten times a second to refresh its Date header and to poll
         `should_exit`; that tick was most of an idle daemon's CPU. Here it ticks once a second
         (the header's resolution anyway) and `exit()` ends the wait at once."""
-        self._exit = asyncio.Event()
         while not await self.on_tick(0):  # counter 0: the Date header is refreshed
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._exit.wait(), 1.0)
 
     def exit(self) -> None:
         self.should_exit = True
-        exit_event = getattr(self, "_exit", None)
-        if exit_event is not None:
-            exit_event.set()
+        self._exit.set()
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
