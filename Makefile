@@ -36,7 +36,7 @@ test: lint typecheck unit
 
 # Regenerates the stand-in's 0.5.23 option table from SGLang's own --help.
 standin-table: setup
-	$(BIN)/python -m gpuwarden.standin.table ../shared/fixtures/sglang-0.5.23-help.txt standin/data/options-0.5.23.json
+	$(BIN)/python -m gpuwarden.standin.table tests/fixtures/sglang-0.5.23-help.txt standin/data/options-0.5.23.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -266,6 +266,11 @@ class Preflight:
         self, cfg: ResolvedConfig, replacing_port: int | None = None
     ) -> PreflightResult:
         result = PreflightResult(ok=True)
+        # The default port (30000) is SGLang's: another program listens where its own flags say,
+        # so the port is checked only when the config names one or the program is SGLang's.
+        knows_port = (
+            cfg.config.args.get("port") is not None or split_command(cfg.argv).module in _SCRIPTS
+        )
         if cfg.config.preflight.argv:
             spec, warnings = await self.parser_for(cfg)
             result.warnings += warnings
@@ -276,7 +281,7 @@ class Preflight:
             result.method = "skipped"
             result.warnings.append("preflight.argv is false: the argv was not checked")
         result.problems += check_paths(cfg)
-        port_problem = check_port(cfg.host, cfg.port, replacing_port)
+        port_problem = check_port(cfg.host, cfg.port, replacing_port) if knows_port else None
         if port_problem:
             result.problems.append(port_problem)
         result.ok = not result.problems

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from gpuwarden.daemon.preflight import Preflight
+from gpuwarden.daemon.configs import SGLANG_DEFAULT_PORT, ConfigStore
+from gpuwarden.daemon.preflight import Preflight, check_port
 
 from .conftest import alive, wait_until
 from .daemon_harness import start_daemon
@@ -53,3 +57,22 @@ def test_preflight_never_runs_a_program_it_does_not_know(  # type: ignore[no-unt
     wait_until(ran.exists, 30, "the program's one run")
     d.wait_state("starting")
     assert ran.read_text() == "--mode serve\n"
+
+
+async def test_a_program_it_does_not_know_is_not_held_to_sglangs_default_port(
+    tmp_path: Path,
+) -> None:
+    """Another program listens where its own flags say: SGLang's busy default is no problem."""
+    (tmp_path / "script.yaml").write_text(
+        yaml.safe_dump({"command": [PY, "server.py"], "health": {"url": "http://127.0.0.1:9/h"}})
+    )
+    cfg = ConfigStore(tmp_path).load("script")
+    with contextlib.ExitStack() as stack:
+        holder = socket.socket()
+        stack.enter_context(holder)
+        with contextlib.suppress(OSError):  # already busy on this host is the same case
+            holder.bind(("127.0.0.1", SGLANG_DEFAULT_PORT))
+            holder.listen()
+        assert check_port("127.0.0.1", SGLANG_DEFAULT_PORT, None) is not None
+        result = await Preflight().check(cfg)
+    assert result.ok, result.problems

@@ -12,9 +12,8 @@ from gpuwarden.standin.versions import VERSIONS
 
 from .conftest import PY, Proc
 
-FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "sglang-0.5.23-help.txt"
-if not FIXTURE.exists():  # CI lays shared/ beside the clone; a checkout may carry it inside
-    FIXTURE = Path(__file__).resolve().parents[1] / "shared" / "fixtures" / FIXTURE.name
+# SGLang 0.5.23's own --help, kept in the repository (the project reads nothing outside it).
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "sglang-0.5.23-help.txt"
 
 
 def run_standin(*args: str, version: str = "0.5.23") -> subprocess.CompletedProcess[str]:
