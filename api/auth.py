@@ -9,13 +9,16 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from gpuwarden.daemon.safefile import read_regular_text
+
 bearer = HTTPBearer(auto_error=False, description="the token in `token_file`")
 
 
 def read_token(path: Path | None) -> str | None:
     if path is None:
         return None
-    token = path.read_text().strip()
+    # Bounded and regular-only: a token file is one line, never a FIFO to block on.
+    token = read_regular_text(path, 64 * 1024).strip()
     if not token:
         raise ValueError(f"{path}: the token file is empty")
     return token

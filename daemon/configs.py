@@ -19,6 +19,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gpuwarden.daemon.redact import redact_argv, redact_env
+from gpuwarden.daemon.safefile import YamlLimit, load_yaml, read_regular_text
+
+# A config is a few hundred lines; anything near this is a mistake or an attack.
+CONFIG_MAX_BYTES = 1024 * 1024
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 DEFAULT_COMMAND = ["python", "-m", "sglang.launch_server"]
@@ -260,11 +264,13 @@ class ConfigStore:
     def _read(self, name: str) -> tuple[Path, str, dict[str, Any]]:
         path = self.path_of(name)
         try:
-            text = path.read_text()
+            text = read_regular_text(path, CONFIG_MAX_BYTES)
         except OSError as exc:
-            raise ConfigError(f"{path}: {exc.strerror}", path=path) from exc
+            raise ConfigError(f"{path}: {exc.strerror or exc}", path=path) from None
         try:
-            data = yaml.safe_load(text)
+            data = load_yaml(text)
+        except YamlLimit as exc:
+            raise ConfigError(f"{path}: refused: {exc}", path=path) from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -281,7 +287,15 @@ class ConfigStore:
         cached = self._cache.get(name)
         if cached is not None and all(_stamp(p) == st for p, st in cached[0]):
             return cached[1]
-        resolved = self._load(name)
+        try:
+            resolved = self._load(name)
+        except (ConfigError, ConfigNotFound):
+            raise
+        except Exception as exc:  # whatever a hostile file provokes is still a config error
+            path = self.folder / f"{name}.yaml"
+            raise ConfigError(
+                f"{path}: cannot be read ({type(exc).__name__}: {exc})", path=path
+            ) from exc
         self._cache[name] = (tuple((p, _stamp(p)) for p in resolved.files), resolved)
         return resolved
 

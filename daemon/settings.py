@@ -14,6 +14,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from gpuwarden.daemon.safefile import YamlLimit, load_yaml, read_regular_text
+
+SETTINGS_MAX_BYTES = 1024 * 1024
+
 
 class SettingsError(Exception):
     """Settings that cannot be used; the message names the file and the key."""
@@ -137,13 +141,13 @@ def load_settings(path: Path | None, listen: str | None = None) -> Settings:
     if path is not None:
         base = path.resolve().parent
         try:
-            loaded = yaml.safe_load(path.read_text()) if path.exists() else None
-        except yaml.YAMLError as exc:
+            loaded = load_yaml(read_regular_text(path, SETTINGS_MAX_BYTES))
+        except FileNotFoundError:
+            raise SettingsError(f"{path}: no such file") from None
+        except (yaml.YAMLError, YamlLimit) as exc:
             raise SettingsError(f"{path}: {exc}") from exc
         except OSError as exc:
-            raise SettingsError(f"{path}: {exc.strerror}") from exc
-        if not path.exists():
-            raise SettingsError(f"{path}: no such file")
+            raise SettingsError(f"{path}: {exc.strerror or exc}") from exc
         if loaded is not None and not isinstance(loaded, dict):
             raise SettingsError(f"{path}: the settings must be a mapping")
         data = loaded or {}

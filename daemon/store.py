@@ -16,6 +16,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from gpuwarden.daemon.safefile import RefusedFile, open_regular, read_regular, read_regular_tail
+
 
 def atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -32,17 +34,24 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+# A state file is a few hundred KB at most; events.jsonl's tail is read up to this.
+STATE_MAX_BYTES = 16 * 1024 * 1024
+EVENTS_TAIL_BYTES = 2 * 1024 * 1024
+
+
 class StateStore:
     def __init__(self, state_dir: Path) -> None:
         self.path = state_dir / "state.json"
         self.write_error: str | None = None
 
     def load(self) -> tuple[dict[str, Any], str | None]:
-        """(state, note): the note says when a corrupt file was moved aside."""
+        """(state, note): the note says when a corrupt or foreign file was moved aside."""
         try:
-            raw = self.path.read_bytes()
+            raw = read_regular(self.path, STATE_MAX_BYTES)
         except FileNotFoundError:
             return {}, None
+        except RefusedFile as exc:  # a FIFO, a device, a huge file: never ours
+            return {}, self._move_aside(exc.strerror or str(exc))
         except OSError as exc:
             return {}, f"{self.path}: unreadable ({exc.strerror}); starting as on a first start"
         try:
@@ -51,44 +60,56 @@ class StateStore:
                 raise ValueError("not a JSON object")
             return data, None
         except ValueError as exc:
-            stamp = time.strftime("%Y%m%dT%H%M%S")
-            aside = self.path.with_name(f"state.json.corrupt-{stamp}")
-            with contextlib.suppress(OSError):
-                os.replace(self.path, aside)
-            return {}, f"{self.path} was corrupt ({exc}); moved to {aside.name}"
+            return {}, self._move_aside(f"corrupt ({exc})")
 
-    def save(self, data: dict[str, Any]) -> bool:
+    def _move_aside(self, why: str) -> str:
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        aside = self.path.with_name(f"state.json.corrupt-{stamp}")
+        with contextlib.suppress(OSError):
+            os.replace(self.path, aside)
+        return f"{self.path} was {why}; moved to {aside.name}; starting as on a first start"
+
+    def save(self, data: dict[str, Any]) -> str | None:
+        """Write the state; the error, if the write failed (the caller reports it)."""
         try:
             atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
             self.write_error = None
-            return True
         except OSError as exc:
             self.write_error = f"{self.path}: {exc.strerror or exc}"
-            return False
+        return self.write_error
 
 
 class EventLog:
-    """Append-only JSON lines, with the most recent kept in memory for the API."""
+    """Append-only JSON lines, with the most recent kept in memory for the API.
+
+    A failed write (disk full) never stops the daemon and is never sticky: every later append
+    tries again, and the first that succeeds writes an ``events_gap`` line first, saying how
+    many events are missing and why. The events themselves stay in memory (and the API).
+    """
 
     def __init__(self, path: Path, keep: int = 2000) -> None:
         self.path = path
         self._recent: deque[dict[str, Any]] = deque(maxlen=keep)
         self.write_error: str | None = None
+        self.lost = 0  # events not written since `write_error` began
+        self._mid_line = False  # a failed write left part of a line in the file
         self.seq = 0
         self._load_tail(keep)
-        self._file = None
+        self._fd: int | None = None
+        self._open()
+
+    def _open(self) -> bool:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("a", buffering=1)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            return True
         except OSError as exc:
-            self.write_error = f"{path}: {exc.strerror or exc}"
+            self.write_error = f"{self.path}: {exc.strerror or exc}"
+            return False
 
     def _load_tail(self, keep: int) -> None:
         try:
-            with self.path.open("rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 2 * 1024 * 1024))
-                lines = f.read().splitlines()
+            lines = read_regular_tail(self.path, EVENTS_TAIL_BYTES).splitlines()
         except OSError:
             return
         for raw in lines[-keep:]:
@@ -102,20 +123,47 @@ class EventLog:
         self.seq += 1
         event = {"seq": self.seq, **event}
         self._recent.append(event)
-        if self._file is not None:
-            try:
-                self._file.write(json.dumps(event, default=str) + "\n")
-                self.write_error = None
-            except OSError as exc:
-                self.write_error = f"{self.path}: {exc.strerror or exc}"
+        self._write((json.dumps(event, default=str) + "\n").encode())
         return event
+
+    def _write(self, line: bytes) -> None:
+        if self._fd is None and not self._open():
+            self.lost += 1
+            return
+        assert self._fd is not None
+        if self.write_error is not None:
+            gap = {
+                "ts": event_ts(),
+                "event": "events_gap",
+                "lost": self.lost,
+                "detail": f"{self.lost} events not written: {self.write_error}",
+            }
+            line = (b"\n" if self._mid_line else b"") + (json.dumps(gap) + "\n").encode() + line
+        written = 0
+        try:
+            view = memoryview(line)
+            while view:
+                n = os.write(self._fd, view)
+                written += n
+                view = view[n:]
+        except OSError as exc:
+            self.write_error = f"{self.path}: {exc.strerror or exc}"
+            self.lost += 1
+            self._mid_line = self._mid_line or written > 0
+            return
+        self.write_error, self.lost, self._mid_line = None, 0, False
 
     def recent(self, limit: int = 100, kind: str | None = None) -> list[dict[str, Any]]:
         items = [e for e in self._recent if kind is None or e.get("event") == kind]
         return items[-limit:] if limit > 0 else []
 
     def close(self) -> None:
-        if self._file is not None:
+        if self._fd is not None:
             with contextlib.suppress(OSError):
-                self._file.close()
-            self._file = None
+                os.close(self._fd)
+            self._fd = None
+
+
+def event_ts() -> str:
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"

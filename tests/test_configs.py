@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,54 @@ def test_bad_settings_are_clear_errors(tmp_path: Path) -> None:
         load_settings(path)
     with pytest.raises(SettingsError, match="no such file"):
         load_settings(tmp_path / "absent.yaml")
+
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+)
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"args:\n  model-path: /m\xff\xfe\n", r"not UTF-8 text \(byte 0xff at offset 22\)"),
+        (b"args: " + b"[" * 20000 + b"]" * 20000 + b"\n", "nested deeper than 64 levels"),
+        (b"args: " + b"[" * 20000 + b"\n", "nested deeper than 64 levels"),  # and broken
+        (BOMB.encode(), "more than 100000 nodes once aliases are expanded"),
+        (b"args: {x: '" + b"y" * (2 * 1024 * 1024) + b"'}\n", r"too large \(2097166 bytes"),
+    ],
+    ids=["not-utf8", "deep", "deep-broken", "alias-bomb", "huge"],
+)
+def test_a_config_that_cannot_be_decoded_is_a_config_error_with_file_and_reason(
+    tmp_path: Path, content: bytes, reason: str
+) -> None:
+    (tmp_path / "bad.yaml").write_bytes(content)
+    with pytest.raises(ConfigError, match=rf"bad\.yaml: .*{reason}"):
+        ConfigStore(tmp_path).load("bad")
+    (tmp_path / "child.yaml").write_text("extends: bad\n")  # through extends as well
+    with pytest.raises(ConfigError, match=rf"bad\.yaml: .*{reason}"):
+        ConfigStore(tmp_path).load("child")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_config_that_is_not_a_regular_file_is_refused_without_blocking(
+    tmp_path: Path, kind: str
+) -> None:
+    path = tmp_path / "odd.yaml"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    with pytest.raises(ConfigError, match=r"odd\.yaml: not a regular file"):
+        ConfigStore(tmp_path).load("odd")
+
+
+def test_settings_files_are_read_with_the_same_limits(tmp_path: Path) -> None:
+    path = tmp_path / "settings.yaml"
+    path.write_bytes(BOMB.encode())
+    with pytest.raises(SettingsError, match="aliases are expanded"):
+        load_settings(path)
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(SettingsError, match="not a regular file"):
+        load_settings(path)

@@ -9,6 +9,7 @@ sweep through a crashing and a refused config."""
 from __future__ import annotations
 
 import json
+import os
 import resource
 import signal
 import socket
@@ -247,6 +248,28 @@ def test_corrupt_state_file_is_moved_aside(procs, tmp_path: Path, fake_gpu: Path
     d.wait_state("ready")
     (aside,) = (tmp_path / "state").glob("state.json.corrupt-*")
     assert aside.read_text() == "{not json"  # kept as it was, for a person to read
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_a_state_file_that_is_not_a_file_is_moved_aside(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path, kind: str
+) -> None:
+    """A FIFO hung the boot (no writer ever comes); /dev/zero never ends: both are refused."""
+    (tmp_path / "state").mkdir()
+    state = tmp_path / "state" / "state.json"
+    if kind == "fifo":
+        os.mkfifo(state)
+    else:
+        state.symlink_to("/dev/zero")
+    d = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
+    note = d.wait_event("server.state_file_corrupt")
+    assert "not a regular file" in note["detail"] and "moved to" in note["detail"]
+    d.wait_state("ready")
+    wait_until(  # the daemon writes a real file in its place
+        lambda: state.is_file() and not state.is_symlink() and json.loads(state.read_text()),
+        10,
+        "a regular state.json",
+    )
 
 
 def test_daemon_sigkill_then_restart_stops_the_old_group_and_resumes(  # type: ignore[no-untyped-def]
