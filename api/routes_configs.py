@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter
@@ -45,7 +46,8 @@ async def list_configs(supervisor: SupervisorDep) -> ConfigList:
 )
 async def get_config(name: ConfigName, supervisor: SupervisorDep) -> dict[str, Any]:
     try:
-        return supervisor.configs.load(name).view()
+        # Off the loop: a large config must not stall the daemon while it is parsed.
+        return (await asyncio.to_thread(supervisor.configs.load, name)).view()
     except ConfigError as exc:
         raise CommandError(
             exc.status,

@@ -60,6 +60,24 @@ class SupervisorCollector(Collector):
         for reason, n in sorted(sup.exits_by_reason.items()):
             exits.add_metric([reason], n)
         yield exits
+        writes = CounterMetricFamily(
+            "gpuwarden_write_failures",
+            "Times a file the daemon writes began failing (disk full, file too large)",
+            labels=["target"],
+        )
+        for target in ("state", "events", "launch_log"):
+            writes.add_metric([target], sup.write_failures.get(target, 0))
+        yield writes
+        yield CounterMetricFamily(
+            "gpuwarden_internal_errors",
+            "Failures of the daemon's own tasks, each recorded and recovered from",
+            value=sup.internal_errors,
+        )
+        yield GaugeMetricFamily(
+            "gpuwarden_supervising",
+            "1 while supervision works; 0 when stuck (the systemd watchdog is not fed)",
+            value=1.0 if sup.stuck() is None else 0.0,
+        )
         yield GaugeMetricFamily(
             "gpuwarden_consecutive_failures", "Failures in a row", value=sup.failures
         )

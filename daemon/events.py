@@ -26,11 +26,14 @@ class StartRequested:
     reply: asyncio.Future[Any] = field(default_factory=_future)
     boot: bool = False
     preflight: Any = None  # a PreflightResult, checked before the message was posted
+    resolved: Any = None  # the ResolvedConfig, read off the owner before the message was posted
+    ticket: int = 0  # when it was asked for: a stop asked for later cancels it
 
 
 @dataclass(frozen=True)
 class StopRequested:
     reply: asyncio.Future[Any] = field(default_factory=_future)
+    ticket: int = 0
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class RestartRequested:
     reply: asyncio.Future[Any] = field(default_factory=_future)
     preflight: Any = None
     sweep_id: str | None = None  # a sweep's own swaps pass its 409
+    resolved: Any = None
+    ticket: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,36 @@ class EventNoted:
     fields: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class TaskFailed:
+    """A helper task of the owner raised: the owner records it and recovers (never silent)."""
+
+    name: str
+    gen: int
+    error: str
+
+
+@dataclass(frozen=True)
+class StateSaved:
+    """The writer thread's outcome for one state.json write (None: written)."""
+
+    error: str | None
+
+
+@dataclass(frozen=True)
+class WriteHealth:
+    """A file the daemon writes started failing (`error`) or works again (None)."""
+
+    target: str
+    error: str | None
+    gen: int = 0
+
+
+@dataclass(frozen=True)
+class SaveAgain:
+    """Retry a failed state.json write."""
+
+
 Message = (
     StartRequested
     | StopRequested
@@ -160,4 +195,8 @@ Message = (
     | ProbationOver
     | GpuSample
     | OrphansKilled
+    | TaskFailed
+    | StateSaved
+    | WriteHealth
+    | SaveAgain
 )

@@ -36,6 +36,8 @@ REASONS = (
     "preflight_refused",
     "signal",
     "crash",
+    "internal_error",
+    "ended_unobserved",
 )
 # Reasons that retrying the same config cannot fix: no blind restart.
 NOT_RETRIED = frozenset({"config_error", "preflight_refused"})

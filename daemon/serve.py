@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import resource
 import signal
 import socket
 import sys
@@ -102,6 +103,7 @@ async def serve(settings: Settings) -> int:
         print(f"gpuwarden: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
         return 1
     bound_host, bound_port = sock.getsockname()[:2]
+    raise_fd_limit()
     subreaper = childmod.become_subreaper()
     try:
         gpu = make_backend(settings.gpu.backend, fakegpu.dir_from_env())
@@ -159,8 +161,17 @@ async def serve(settings: Settings) -> int:
     else:
         log.info("daemon.stopping", detail="stopping the server; the saved intent is kept")
         notifier.stopping()
-        await supervisor.shutdown()
-        await sup_task
+        # Bounded: a supervisor that cannot finish its stop must not keep SIGTERM from ending
+        # the daemon. Past the bound the server's group is killed here, and the exit is 1.
+        bound = settings.stop.grace_s + SHUTDOWN_SLACK_S
+        try:
+            await asyncio.wait_for(supervisor.shutdown(), bound)
+            await asyncio.wait_for(sup_task, SHUTDOWN_SLACK_S)
+        except TimeoutError:
+            log.error("daemon.shutdown_stuck", detail=f"not stopped within {bound:g} s")
+            supervisor.kill_server_now()
+            sup_task.cancel()
+            rc = 1
     stop_wait.cancel()
     for task in extra:
         task.cancel()
@@ -184,13 +195,31 @@ async def _notify_loop(notifier: Notifier, supervisor: Supervisor) -> None:
     period = min(1.0, notifier.watchdog_s / 2) if notifier.watchdog_s else 1.0
     last = ""
     while True:
-        if notifier.watchdog_s:
+        # The watchdog is fed only while supervision works: a loop that runs while the owner
+        # is wedged (or a helper task is overdue) is not a daemon worth keeping.
+        stuck = supervisor.stuck()
+        if notifier.watchdog_s and stuck is None:
             notifier.watchdog()
-        line = _status_line(supervisor)
+        line = _status_line(supervisor) if stuck is None else f"stuck: {stuck}"
+        if stuck is not None and not last.startswith("stuck"):
+            log.error("daemon.stuck", detail=stuck)
         if line != last:
             notifier.status(line)
             last = line
         await asyncio.sleep(period)
+
+
+SHUTDOWN_SLACK_S = 30.0
+
+
+def raise_fd_limit() -> None:
+    """The soft descriptor limit up to the hard one: a shell's default of 1024 is gone with a
+    thousand idle connections, and then nothing (a sweep, a log, a probe) can open a file."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -261,8 +261,15 @@ class LaunchLog:
         on_lines: Callable[[list[str], list[tuple[str, ParsedLine]]], None] | None = None,
         ring: Ring | None = None,
         redact: Callable[[str], str] | None = None,
+        *,
+        on_write: Callable[[str | None], None] | None = None,
     ) -> None:
         self.path = path
+        # Called when writing starts failing (the error) and when it works again (None).
+        self.on_write = on_write
+        self.lost_bytes = 0  # output not written since `write_error` began
+        self.lost_lines = 0
+        self._mid_line = False  # a failed write left part of a line in the file
         self.ring = ring or Ring()
         self.on_lines = on_lines
         self.redact = redact or (lambda s: s)
@@ -302,17 +309,41 @@ class LaunchLog:
         self._lines(data[:-1], interesting=_interesting_bytes(data))
 
     def _write(self, data: bytes) -> None:
-        if self.write_error is not None:
-            return
+        """Write a chunk of whole lines. A failure (disk full, file too large) never stops
+        supervision and is never sticky: each later chunk tries again, and the first that is
+        written is preceded by a line saying what is missing."""
+        failing = self.write_error is not None
+        prefix = b""
+        if failing:
+            prefix = (
+                f"{chr(10) if self._mid_line else ''}# gpuwarden: {self.lost_bytes} bytes "
+                f"({self.lost_lines} lines) of output not written here: {self.write_error}\n"
+            ).encode()
+        written = 0
         try:
             # One unbuffered write per chunk: the file is current at every moment, with no
             # flush timer, and big chunks keep the syscall count low.
-            view = memoryview(data)
+            view = memoryview(prefix + data if prefix else data)
             while view:
-                view = view[os.write(self._fd, view) :]
-            self.bytes_written += len(data)
-        except OSError as exc:  # disk full, file too large: keep supervising
+                n = os.write(self._fd, view)
+                written += n
+                view = view[n:]
+        except OSError as exc:
+            if written > len(prefix) or (written and not prefix):
+                self._mid_line = True  # the file now ends inside a line
+            done = max(0, written - len(prefix))
+            self.lost_bytes += len(data) - done
+            self.lost_lines += data.count(b"\n", done)
             self.write_error = f"{self.path}: {exc.strerror or exc}"
+            if not failing and self.on_write is not None:
+                self.on_write(self.write_error)
+            return
+        self.bytes_written += len(data)
+        if failing:
+            self.write_error, self.lost_bytes, self.lost_lines = None, 0, 0
+            self._mid_line = False
+            if self.on_write is not None:
+                self.on_write(None)
 
     def _lines(self, data: bytes, interesting: bool) -> None:
         """`data` holds whole lines without the final newline. One decode and one split per

@@ -45,12 +45,16 @@ from gpuwarden.daemon.events import (
     ProbeFailed,
     ProbeSucceeded,
     RestartRequested,
+    SaveAgain,
     ShutdownRequested,
     StableUptime,
     StartRequested,
     StartupTimedOut,
+    StateSaved,
     StopRequested,
     SweepDone,
+    TaskFailed,
+    WriteHealth,
 )
 from gpuwarden.daemon.gpu import GpuBackend, GpuSnapshot, busy_gpus, describe_busy
 from gpuwarden.daemon.health import HttpProber, Prober
@@ -75,6 +79,14 @@ log = structlog.get_logger("gpuwarden.supervisor")
 MAX_FINDINGS = 200
 PIPE_DRAIN_S = 0.2  # after an exit, how long to wait for the last output before classifying
 LAUNCH_HISTORY = 50
+# The owner handles a message in milliseconds; one taking this long means supervision is stuck
+# (the watchdog stops being fed). Config reads are bounded well below it.
+OWNER_STALL_S = 60.0
+# How long the post-exit sweep may take before it counts as overdue (it normally takes well
+# under a second: pipes, a /proc walk, a GPU snapshot, the kills' own grace).
+SWEEP_DEADLINE_S = 120.0
+SAVE_RETRY_S = 2.0
+BOOT_DEADLINE_S = 300.0  # the boot's config read and preflight (two introspections at most)
 
 
 class CommandError(Exception):
@@ -153,6 +165,9 @@ class Swap:
     outcome_evidence: str | None = None
     launch_ids: list[str] = field(default_factory=list)
     outcome: dict[str, Any] | None = None
+    # What a failed swap goes back to: the config serving when it began, else last-good.
+    rollback_name: str | None = None
+    rollback_to: ResolvedConfig | None = None
     settled: asyncio.Future[dict[str, Any]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -260,6 +275,21 @@ class Supervisor:
         self.gpu_pids_unresolved = False
         self.event_listeners: list[Callable[[dict[str, Any]], None]] = []
         self.active_sweep: str | None = None  # set by the sweep manager
+        # Every command takes a ticket when it is asked for (before any await), so a stop
+        # cancels whatever was asked before it even if that finishes its preflight later.
+        self._ticket = 0
+        self._stop_ticket = 0
+        # Files the daemon writes that fail now (target -> error), and failures so far.
+        self.write_errors: dict[str, str] = {}
+        self.write_failures: dict[str, int] = {}
+        self._save_retry: asyncio.Task[Any] | None = None
+        self.internal_errors = 0
+        # For the watchdog: when the owner took the message it is handling (None: idle), and
+        # the helper tasks that must finish by a deadline.
+        self._handling_since: float | None = None
+        self._deadlines: dict[asyncio.Task[Any], tuple[str, float]] = {}
+        self._owner_task: asyncio.Task[Any] | None = None
+        self.sweep_deadline_s = SWEEP_DEADLINE_S
         self.sweep_view: Callable[[], dict[str, Any]] | None = None
 
     # -- public: thin clients of the owner task ---------------------------------------------------
@@ -268,29 +298,35 @@ class Supervisor:
         self._inbox.put_nowait(msg)
         return await msg.reply
 
+    def _take_ticket(self) -> int:
+        self._ticket += 1
+        return self._ticket
+
     async def check(self, name: str) -> PreflightResult:
         """The preflight of a config, without touching what runs (400/404 for bad names)."""
-        cfg = self._resolve_or_raise(name, invalid_ok=True)
+        cfg, invalid = await self._resolve_for_command(name, invalid_ok=True)
         if cfg is None:
-            return self._invalid_result
+            return invalid
         return await self.preflight.check(cfg, replacing_port=self._replacing_port())
 
     async def start(self, config: str | None = None) -> Any:
+        ticket = self._take_ticket()  # before any await: its place among stops
         name = config or self.intent_config or self.settings.default_config
-        cfg = self._resolve_or_raise(name, invalid_ok=True)
-        pre = self._invalid_result if cfg is None else await self.preflight.check(cfg)
-        return await self.request(StartRequested(name, preflight=pre))
+        cfg, invalid = await self._resolve_for_command(name, invalid_ok=True)
+        pre = invalid if cfg is None else await self.preflight.check(cfg)
+        return await self.request(StartRequested(name, preflight=pre, resolved=cfg, ticket=ticket))
 
     async def stop(self) -> Any:
-        return await self.request(StopRequested())
+        return await self.request(StopRequested(ticket=self._take_ticket()))
 
     async def restart(
         self, config: str | None = None, wait: bool = False, sweep_id: str | None = None
     ) -> Any:
         """Restart, or swap when `config` names another config. A swap is preflighted first:
         a refused one answers 422 and touches nothing."""
+        ticket = self._take_ticket()
         name = config or self.intent_config or self.settings.default_config
-        cfg = self._resolve_or_raise(name)
+        cfg, _ = await self._resolve_for_command(name)
         assert cfg is not None
         pre = None
         if cfg.name != self._current_config():
@@ -302,28 +338,31 @@ class Supervisor:
                     "; ".join(pre.problems),
                     extra={"problems": pre.problems, "warnings": pre.warnings},
                 )
-        reply = await self.request(RestartRequested(cfg.name, preflight=pre, sweep_id=sweep_id))
+        reply = await self.request(
+            RestartRequested(
+                cfg.name, preflight=pre, sweep_id=sweep_id, resolved=cfg, ticket=ticket
+            )
+        )
         if wait:
             swap: Swap = reply.pop("_swap")
-            reply = {**reply, **await asyncio.shield(swap.settled)}
+            outcome = await asyncio.shield(swap.settled)
+            # The state now, not the one at acceptance (which was stopping or waiting_gpu).
+            reply = {**reply, **outcome, "state": str(self.state)}
         else:
             reply.pop("_swap", None)
         return reply
 
-    def _resolve_or_raise(
+    async def _resolve_for_command(
         self, name: str | None, invalid_ok: bool = False
-    ) -> ResolvedConfig | None:
-        """400/404 raise; an invalid config (422) raises too unless `invalid_ok`, when it
-        becomes a failed preflight result."""
+    ) -> tuple[ResolvedConfig | None, PreflightResult]:
+        """(config, _): 400/404 raise; an invalid config (422) raises too unless `invalid_ok`,
+        when it comes back as (None, a failed preflight result)."""
         try:
-            return self._resolve(name)
+            return await self._resolve(name), PreflightResult(ok=True)
         except CommandError as exc:
             if exc.status == 422 and invalid_ok:
-                self._invalid_result = PreflightResult(ok=False, problems=[exc.detail])
-                return None
+                return None, PreflightResult(ok=False, problems=[exc.detail])
             raise
-
-    _invalid_result = PreflightResult(ok=False)
 
     def _current_config(self) -> str | None:
         launch = self.launch
@@ -358,6 +397,7 @@ class Supervisor:
 
     async def run(self) -> None:
         self._running = True
+        self._owner_task = asyncio.current_task()
         self._spawn(self._poll_gpus())
         await self._boot()
         self._save()
@@ -365,6 +405,7 @@ class Supervisor:
         try:
             while self._running:
                 msg = await self._inbox.get()
+                self._handling_since = time.monotonic()
                 try:
                     await self._handle(msg)
                 except CommandError as exc:
@@ -376,9 +417,12 @@ class Supervisor:
                     reply = getattr(msg, "reply", None)
                     if reply is not None and not reply.done():
                         reply.set_exception(exc)
+                    else:
+                        self._recover(type(msg).__name__, exc)
                 if self._dirty:
                     self._save()
                 await self._notify()
+                self._handling_since = None
         finally:
             if self._dirty:
                 self._save()
@@ -395,11 +439,11 @@ class Supervisor:
     async def _handle(self, msg: Message) -> None:
         match msg:
             case StartRequested():
-                msg.reply.set_result(self._on_start(msg))
+                msg.reply.set_result(await self._on_start(msg))
             case StopRequested():
-                msg.reply.set_result(self._on_stop())
+                msg.reply.set_result(self._on_stop(msg))
             case RestartRequested():
-                msg.reply.set_result(self._on_restart(msg.config, msg.sweep_id))
+                msg.reply.set_result(await self._on_restart(msg))
             case ProbationOver():
                 self._on_probation_over(msg)
             case GpuSample():
@@ -414,7 +458,7 @@ class Supervisor:
             case ChildExited():
                 self._on_child_exited(msg)
             case SweepDone():
-                self._on_sweep_done(msg)
+                await self._on_sweep_done(msg)
             case LineParsed():
                 self._on_line_parsed(msg)
             case ProbeSucceeded():
@@ -426,11 +470,20 @@ class Supervisor:
             case GraceExpired():
                 self._on_grace_expired(msg)
             case BackoffElapsed():
-                self._on_backoff_elapsed(msg)
+                await self._on_backoff_elapsed(msg)
             case StableUptime():
                 self._on_stable_uptime(msg)
             case EventNoted():
                 self._event(msg.kind, **msg.fields)
+            case TaskFailed():
+                await self._on_task_failed(msg)
+            case StateSaved():
+                self._on_state_saved(msg)
+            case WriteHealth():
+                self._write_health(msg.target, msg.error)
+            case SaveAgain():
+                self._save_retry = None
+                self._persist()
 
     # -- the one place state changes ---------------------------------------------------------------
 
@@ -452,6 +505,8 @@ class Supervisor:
                 record["launch_id"] = launch.launch_id
         record.update({k: v for k, v in fields.items() if v is not None})
         self.events.append(record)
+        if self.events.write_error != self.write_errors.get("events"):
+            self._write_health("events", self.events.write_error)
         for listener in self.event_listeners:
             try:
                 listener(record)
@@ -460,15 +515,49 @@ class Supervisor:
         log.info(f"server.{kind}", **{k: v for k, v in record.items() if k not in ("event", "ts")})
 
     def _spawn(
-        self, coro: Coroutine[Any, Any, Any], launch: Launch | None = None
+        self,
+        coro: Coroutine[Any, Any, Any],
+        launch: Launch | None = None,
+        *,
+        gen: int | None = None,
+        deadline_s: float | None = None,
     ) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro)
+        """A helper task of the owner. Its failure is posted back (`TaskFailed`), never lost;
+        one with a deadline that runs past it makes supervision count as stuck."""
+        name = getattr(coro, "__qualname__", "task").rsplit(".", 1)[-1].lstrip("_")
+        task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        if gen is None:
+            gen = launch.gen if launch is not None else 0
+        task.add_done_callback(lambda t: self._task_done(t, gen))
+        if deadline_s is not None:
+            self._deadlines[task] = (name, time.monotonic() + deadline_s)
         if launch is not None:
             launch.tasks.add(task)
             task.add_done_callback(launch.tasks.discard)
         return task
+
+    def _task_done(self, task: asyncio.Task[Any], gen: int) -> None:
+        self._tasks.discard(task)
+        self._deadlines.pop(task, None)
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        log.error("supervisor.task_failed", task=task.get_name(), exc_info=exc)
+        self.post(TaskFailed(task.get_name(), gen, f"{type(exc).__name__}: {exc}"))
+
+    def stuck(self) -> str | None:
+        """Why supervision is stuck, or None. The watchdog is fed only while this is None."""
+        if self._owner_task is not None and self._owner_task.done():
+            return "the supervisor's owner task has ended"
+        now = time.monotonic()
+        since = self._handling_since
+        if since is not None and now - since > OWNER_STALL_S:
+            return f"the owner has been handling one message for {now - since:.0f} s"
+        for name, deadline in list(self._deadlines.values()):
+            if now > deadline:
+                return f"the {name} task is {now - deadline:.0f} s past its deadline"
+        return None
 
     def _timer(
         self, seconds: float, msg: Message, launch: Launch | None = None
@@ -499,7 +588,9 @@ class Supervisor:
                 pid, ct, lid = int(item[0]), float(item[1]), str(item[2])
                 if childmod.is_alive(pid, ct):  # the dead are forgotten
                     self.known_ours[(pid, ct)] = lid
-        await self._stop_previous_life(data.get("current_launch"))
+        current = data.get("current_launch") or {}
+        stopped = await self._stop_previous_life(current or None)
+        self._close_unobserved(str(current.get("launch_id") or "") if stopped else "")
         name = None
         if intent:
             if self.intent_running and self.intent_config:
@@ -507,26 +598,99 @@ class Supervisor:
         elif self.settings.default_config:
             name = self.settings.default_config
         if name:
-            self._spawn(self._boot_start(name))
+            self._resume_swap(data.get("swap"), name)
+            ticket = self._take_ticket()  # a stop while the boot preflights cancels the boot
+            self._spawn(self._boot_start(name, ticket), deadline_s=BOOT_DEADLINE_S)
 
-    async def _boot_start(self, name: str) -> None:
+    async def _boot_start(self, name: str, ticket: int) -> None:
         """Preflight gates the boot too: run it off the owner, then post the start."""
+        cfg: ResolvedConfig | None = None
         try:
-            cfg = self._resolve_or_raise(name, invalid_ok=True)
+            cfg, pre = await self._resolve_for_command(name, invalid_ok=True)
         except CommandError as exc:
             pre = PreflightResult(ok=False, problems=[exc.detail])
-        else:
-            pre = self._invalid_result if cfg is None else await self.preflight.check(cfg)
-        msg = StartRequested(name, boot=True, preflight=pre)
+        if cfg is not None:
+            pre = await self.preflight.check(cfg)
+        msg = StartRequested(name, boot=True, preflight=pre, resolved=cfg, ticket=ticket)
         self.post(msg)
         with contextlib.suppress(CommandError):
             await msg.reply
         self._persist()
 
-    async def _stop_previous_life(self, record: dict[str, Any] | None) -> None:
+    def _close_unobserved(self, stopped_id: str) -> None:
+        """Every launch ends with an exit record. Those the previous life did not see end get
+        one now: the one this boot stopped, and the others, which ended while it was away."""
+        for entry in self.launch_history:
+            if not isinstance(entry, dict) or entry.get("exit") is not None:
+                continue
+            launch_id = entry.get("launch_id")
+            if launch_id and launch_id == stopped_id:
+                reason = "requested_stop"
+                evidence = "stopped at the daemon's start: its previous life left it running"
+            else:
+                reason = "ended_unobserved"
+                evidence = "ended while the daemon was away (exit code and signal unknown)"
+            entry["exit"] = {
+                "code": None,
+                "signal": None,
+                "reason": reason,
+                "evidence": evidence,
+                "at": utc_iso(self.clock.time()),
+                "launch_id": launch_id,
+            }
+            self.last_exit = entry["exit"]
+            self.exits_by_reason[reason] = self.exits_by_reason.get(reason, 0) + 1
+            fields = {k: v for k, v in entry["exit"].items() if k != "at"}
+            self._event("exit", **{**fields, "config": entry.get("config")})
+            self._persist()
+
+    def _resume_swap(self, record: Any, name: str) -> None:
+        """A swap the previous life did not finish (or whose probation it did not see out)
+        goes on as that swap: rollback and probation included."""
+        if not isinstance(record, dict) or not record.get("id") or not record.get("to"):
+            return
+        rolling_back = record.get("phase") == "rolling_back"
+        if name != (record.get("rollback_name") if rolling_back else record.get("to")):
+            return  # the intent moved on since: nothing to resume
+        self.swap = Swap(
+            id=str(record["id"]),
+            from_config=record.get("from"),
+            to_config=str(record["to"]),
+            is_swap=bool(record.get("is_swap", True)),
+            phase="rolling_back" if rolling_back else "waiting_gpu",
+            rollback_name=record.get("rollback_name"),
+        )
+        self._event(
+            "swap_resumed",
+            swap_id=self.swap.id,
+            from_config=self.swap.from_config,
+            to_config=self.swap.to_config,
+            phase=record.get("phase"),
+            detail="the daemon stopped during this swap; it goes on as the same swap",
+        )
+
+    def _swap_record(self) -> dict[str, Any] | None:
+        swap = self.swap
+        if swap is None:
+            return None
+        launch = self.launch
+        on_probation = launch is not None and launch.on_probation and launch.swap is swap
+        if not swap.active and not on_probation:
+            return None
+        return {
+            "id": swap.id,
+            "from": swap.from_config,
+            "to": swap.to_config,
+            "is_swap": swap.is_swap,
+            "phase": swap.phase if swap.active else "probation",
+            "rollback_name": swap.rollback_name
+            or (swap.rollback_to.name if swap.rollback_to else None),
+        }
+
+    async def _stop_previous_life(self, record: dict[str, Any] | None) -> bool:
         """A server group from the daemon's previous life, still alive, is stopped first."""
         if not record:
-            return
+            return False
         pid = int(record.get("pid") or 0)
         same_boot = record.get("boot_id") == childmod.boot_id()
         alive = same_boot and pid > 0 and childmod.is_alive(pid, record.get("create_time"))
@@ -538,7 +702,7 @@ class Supervisor:
             else []
         )
         if not alive and not leftovers:
-            return
+            return False
         self._event(
             "previous_server_found",
             pid=pid,
@@ -561,6 +725,7 @@ class Supervisor:
             pid=pid,
             killed=[{"pid": k.pid, "name": k.name} for k in killed],
         )
+        return alive
 
     # -- persistence ---------------------------------------------------------------------------
 
@@ -572,7 +737,15 @@ class Supervisor:
         """Snapshot the state here, on the loop; write it (fsync and all) on the writer thread,
         so a relaunch never waits for the disk. Writes stay in order: one writer."""
         self._dirty = False
-        self._writer.submit(self.store.save, self._state_record())
+        done = self._writer.submit(self.store.save, self._state_record())
+        loop = asyncio.get_running_loop()
+
+        def report(fut: Any) -> None:
+            error = fut.result() if fut.exception() is None else repr(fut.exception())
+            with contextlib.suppress(RuntimeError):  # the loop is gone: the daemon is exiting
+                loop.call_soon_threadsafe(self.post, StateSaved(error))
+
+        done.add_done_callback(report)
 
     def _state_record(self) -> dict[str, Any]:
         launch = self.launch
@@ -598,6 +771,7 @@ class Supervisor:
             "current_launch": current,
             "last_exit": self.last_exit,
             "launches": list(self.launch_history[-LAUNCH_HISTORY:]),
+            "swap": self._swap_record(),
             "known_processes": [
                 [pid, ct, lid] for (pid, ct), lid in list(self.known_ours.items())[-500:]
             ],
@@ -610,18 +784,28 @@ class Supervisor:
 
     # -- commands ------------------------------------------------------------------------------
 
-    def _resolve(self, name: str | None) -> ResolvedConfig:
+    async def _resolve(self, name: str | None) -> ResolvedConfig:
+        """Read a config off the loop: parsing a large or hostile file must not stall probes,
+        timers, the API or the watchdog (the reader's limits bound how long it takes)."""
         if not name:
             raise CommandError(
                 400, "bad_request", "no config given, none running and no default_config set"
             )
         try:
-            return self.configs.load(name)
+            return await asyncio.to_thread(self.configs.load, name)
         except ConfigError as exc:
             raise CommandError(exc.status, _error_name(exc.status), str(exc)) from exc
 
-    def _on_start(self, msg: StartRequested) -> dict[str, Any]:
-        self._no_swap_under_way()
+    def _cancelled_by_stop(self, ticket: int, what: str) -> None:
+        if ticket and ticket < self._stop_ticket:
+            raise CommandError(
+                409, "conflict", f"a stop was requested after this {what}; it was not carried out"
+            )
+
+    async def _on_start(self, msg: StartRequested) -> dict[str, Any]:
+        self._cancelled_by_stop(msg.ticket, "start")
+        if not msg.boot:  # a boot resumes an interrupted swap as that swap
+            self._no_swap_under_way()
         if self.state in (S.WAITING_GPU, *RUNNING_STATES):
             current = self.launch.config.name if self.launch else self.intent_config
             raise CommandError(
@@ -641,7 +825,9 @@ class Supervisor:
                 extra={"problems": pre.problems, "warnings": pre.warnings},
             )
         try:
-            cfg = self._resolve(name)
+            resolved: ResolvedConfig | None = msg.resolved
+            cfg = resolved if resolved is not None and resolved.name == name else None
+            cfg = cfg or await self._resolve(name)
         except CommandError as exc:
             if exc.status == 422 or msg.boot:
                 self._refuse(name, exc.detail)
@@ -650,7 +836,8 @@ class Supervisor:
         self.failures = 0
         self.crash_loop = False
         self._set_intent(cfg.name, True)
-        self._begin_attempt(cfg)
+        swap = self.swap
+        self._begin_attempt(cfg, rollback=swap is not None and swap.phase == "rolling_back")
         return {"accepted": True, "config": cfg.name, "state": str(self.state)}
 
     def _no_swap_under_way(self, sweep_id: str | None = None) -> None:
@@ -683,7 +870,10 @@ class Supervisor:
             self._transition(S.FAILED, reason="preflight_refused")
         self._persist()
 
-    def _on_stop(self) -> dict[str, Any]:
+    def _on_stop(self, msg: StopRequested) -> dict[str, Any]:
+        # Stop wins: whatever was asked before it and is still on its way (a preflight that
+        # finishes later) is refused when it arrives.
+        self._stop_ticket = max(self._stop_ticket, msg.ticket or self._ticket)
         self._set_intent(self.intent_config, False)
         if self.swap is not None and self.swap.active:
             self._settle_swap("failed", "requested_stop", "stopped on request during the swap")
@@ -700,15 +890,29 @@ class Supervisor:
             self._begin_stop(launch, Next.STOP)
         return {"accepted": True, "state": str(self.state)}
 
-    def _on_restart(self, name: str | None, sweep_id: str | None = None) -> dict[str, Any]:
-        self._no_swap_under_way(sweep_id)
-        cfg = self._resolve(name or self.intent_config or self.settings.default_config)
+    async def _on_restart(self, msg: RestartRequested) -> dict[str, Any]:
+        self._cancelled_by_stop(msg.ticket, "restart")
+        self._no_swap_under_way(msg.sweep_id)
+        name = msg.config or self.intent_config or self.settings.default_config
+        resolved: ResolvedConfig | None = msg.resolved
+        cfg = resolved if resolved is not None and resolved.name == name else None
+        cfg = cfg or await self._resolve(name)
         current = self._current_config()
+        serving = self._serving()
+        if serving is not None and serving.on_probation:
+            # A swap away from a config on probation: its probation counts as passed, and it is
+            # what this swap rolls back to (it was serving, not the older last-good).
+            serving.on_probation = False
+            self.last_good_config = serving.config.name
+            self.last_good_launch = serving.launch_id
+            self._event("probation_passed", detail="a swap began while it served")
         swap = Swap(
             id=f"swap-{self._launch_seq + 1}-{int(self.clock.time())}",
             from_config=current,
             to_config=cfg.name,
             is_swap=cfg.name != current,
+            rollback_name=serving.config.name if serving else self.last_good_config,
+            rollback_to=serving.config if serving else None,
         )
         self.swap = swap
         self.rolled_back_from = None
@@ -737,6 +941,13 @@ class Supervisor:
             "swap_id": swap.id,
             "_swap": swap,
         }
+
+    def _serving(self) -> Launch | None:
+        """The launch serving requests now (ready, or ready and failing probes)."""
+        launch = self.launch
+        if launch is None or launch.exited or launch.ready_at is None:
+            return None
+        return launch if self.state in (S.READY, S.UNHEALTHY) else None
 
     def _settle_swap(self, outcome: str, reason: str | None, evidence: str | None) -> None:
         swap = self.swap
@@ -780,7 +991,11 @@ class Supervisor:
             swap.phase = "waiting_gpu"
         if self.state != S.WAITING_GPU:
             self._transition(S.WAITING_GPU, config=cfg.name)
-        self._gpu_task = self._spawn(self._wait_for_gpus(self.launch))
+        self._gpu_task = self._spawn(
+            self._wait_for_gpus(self.launch),
+            gen=self._gen,
+            deadline_s=self.settings.gpu.release_timeout_s + self.sweep_deadline_s,
+        )
 
     async def _wait_for_gpus(self, launch: Launch) -> None:
         cfg = self.settings.gpu
@@ -843,7 +1058,7 @@ class Supervisor:
         if launch is None or self.state != S.WAITING_GPU:
             return
         if not msg.ok:
-            self._fail(
+            await self._fail(
                 launch,
                 Classification(
                     "gpu_busy",
@@ -874,10 +1089,14 @@ class Supervisor:
                 header,
                 on_lines=lambda lines, parsed: self._on_lines(launch, lines, parsed),
                 redact=launch.redactor.text,
+                on_write=lambda error: self.post(WriteHealth("launch_log", error, gen)),
             )
         except LogUnwritable as exc:
-            self._fail(launch, Classification("log_unwritable", f"cannot create the log: {exc}"))
+            await self._fail(
+                launch, Classification("log_unwritable", f"cannot create the log: {exc}")
+            )
             return
+        self._write_health("launch_log", None)  # a new file, written: any earlier gap is over
         env = {**os.environ, **cfg.env}
         try:
             child = await childmod.spawn(
@@ -887,7 +1106,7 @@ class Supervisor:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
             detail = f"cannot execute {cfg.argv[0]!r}: {reason}"
             launch.log.close(f"exec failed: {detail}")
-            self._fail(launch, Classification("exec_failed", detail))
+            await self._fail(launch, Classification("exec_failed", detail))
             return
         launch.child = child
         if launch.swap is not None:
@@ -899,6 +1118,18 @@ class Supervisor:
         child.exited.add_done_callback(
             lambda fut: self.post(ChildExited(gen, fut.result() if not fut.cancelled() else None))
         )
+        self.launch_history.append(  # every launch is on record from its start; the exit fills in
+            {
+                "launch_id": launch.launch_id,
+                "config": cfg.name,
+                "pid": child.pid,
+                "started_at": utc_iso(launch.started_at),
+                "ready_at": None,
+                "log_file": str(path),
+                "exit": None,
+            }
+        )
+        del self.launch_history[:-LAUNCH_HISTORY]
         self._transition(S.STARTING, pid=child.pid, log_file=str(path))
         self._event("launch", pid=child.pid, argv=cfg.redacted_argv(), log_file=str(path))
         self._persist()
@@ -1131,7 +1362,7 @@ class Supervisor:
         launch.cancel_tasks()
         if self.state != S.STOPPING:
             self._transition(S.STOPPING, returncode=msg.returncode, detail="the server exited")
-        self._spawn(self._after_exit(launch))
+        self._spawn(self._after_exit(launch), gen=launch.gen, deadline_s=self.sweep_deadline_s)
 
     async def _after_exit(self, launch: Launch) -> None:
         """Let the last output in (bounded: a grandchild may hold the pipes), then sweep."""
@@ -1148,7 +1379,7 @@ class Supervisor:
         report += await self._kill_gpu_orphans(list(snap.gpus))
         self.post(SweepDone(launch.gen, report))
 
-    def _on_sweep_done(self, msg: SweepDone) -> None:
+    async def _on_sweep_done(self, msg: SweepDone) -> None:
         launch = self._current(msg.gen)
         if launch is None or launch.child is None:
             return
@@ -1168,7 +1399,7 @@ class Supervisor:
         launch.child.close()
         nxt = launch.next
         if nxt is None or nxt == Next.RETRY:
-            self._fail(launch, verdict, recorded=True)
+            await self._fail(launch, verdict, recorded=True)
         elif nxt == Next.STOP:
             self._transition(S.STOPPED, reason=verdict.reason)
         elif nxt == Next.RELAUNCH:
@@ -1197,9 +1428,16 @@ class Supervisor:
         }
         self._event("exit", **{k: v for k, v in self.last_exit.items() if k not in ("at",)})
         if launch.launch_id:
-            self.launch_history.append(
+            entry = next(
+                (e for e in reversed(self.launch_history) if e["launch_id"] == launch.launch_id),
+                None,
+            )
+            if entry is None:
+                entry = {"launch_id": launch.launch_id}
+                self.launch_history.append(entry)
+                del self.launch_history[:-LAUNCH_HISTORY]
+            entry.update(
                 {
-                    "launch_id": launch.launch_id,
                     "config": launch.config.name,
                     "pid": launch.child.pid if launch.child else None,
                     "started_at": utc_iso(launch.started_at),
@@ -1208,11 +1446,85 @@ class Supervisor:
                     "exit": self.last_exit,
                 }
             )
-            del self.launch_history[:-LAUNCH_HISTORY]
+
+    # -- the daemon's own failures -----------------------------------------------------------------
+
+    async def _on_task_failed(self, msg: TaskFailed) -> None:
+        """A helper task raised (descriptors exhausted, /proc unreadable, a bug): record it, then
+        recover so the machine never waits for a message that will not come."""
+        self.internal_errors += 1
+        self._event("internal_error", task=msg.name, error=msg.error)
+        launch = self._current(msg.gen)
+        evidence = f"the {msg.name} task failed: {msg.error}"
+        if msg.name == "after_exit":
+            if launch is not None and launch.exited and self.state == S.STOPPING:
+                # Degrade: the exit is handled without the sweep (leftovers may remain; the
+                # next launch's GPU wait still finds and kills holders of ours).
+                await self._on_sweep_done(SweepDone(msg.gen, []))
+        elif msg.name == "wait_for_gpus":
+            if launch is not None and self.state == S.WAITING_GPU:
+                await self._fail(launch, Classification("internal_error", evidence))  # retried
+        elif msg.name == "boot_start":
+            if self.state == S.STOPPED:
+                self.last_exit = {
+                    "code": None,
+                    "signal": None,
+                    "reason": "internal_error",
+                    "evidence": evidence,
+                    "at": utc_iso(self.clock.time()),
+                    "launch_id": None,
+                }
+                # STOPPED -> FAILED
+                self._transition(S.FAILED, reason="internal_error", detail=evidence)
+        elif (
+            launch is not None
+            and not launch.exited
+            and launch.child is not None
+            and self.state in (S.STARTING, S.READY, S.UNHEALTHY)
+        ):
+            # A probe loop or timer of this launch is gone: nothing would notice a hang or a
+            # timeout any more, so end it and let the restart policy start it afresh.
+            self._end_for_retry(launch, "internal_error", evidence)
+
+    def _recover(self, message: str, exc: Exception) -> None:
+        """An internal message whose handling raised (a bug): say so, and where the launch has
+        already exited, go to failed rather than wait in stopping for ever."""
+        self.internal_errors += 1
+        evidence = f"handling {message} failed: {type(exc).__name__}: {exc}"
+        with contextlib.suppress(Exception):
+            self._event("internal_error", message=message, error=evidence)
+            launch = self.launch
+            if self.state == S.STOPPING and (launch is None or launch.exited):
+                self._transition(S.FAILED, reason="internal_error", detail=evidence)  # -> FAILED
+
+    # -- writes that fail ----------------------------------------------------------------------
+
+    def _on_state_saved(self, msg: StateSaved) -> None:
+        self._write_health("state", msg.error)
+        if msg.error is not None and self._save_retry is None:
+            # Keep trying: the state on disk is stale until a write succeeds.
+            self._save_retry = self._timer(SAVE_RETRY_S, SaveAgain())
+
+    def _write_health(self, target: str, error: str | None) -> None:
+        """A file the daemon writes began failing or works again: an event, a log line, a
+        status field and a metric, once per change (not once per failed write)."""
+        before = self.write_errors.get(target)
+        if error == before:
+            return
+        if error is None:
+            del self.write_errors[target]
+            self._event("write_resumed", target=target, detail=f"{target} is written again")
+            log.warning("daemon.write_resumed", target=target)
+            return
+        self.write_errors[target] = error
+        if before is None:
+            self.write_failures[target] = self.write_failures.get(target, 0) + 1
+            log.error("daemon.write_failed", target=target, error=error)
+            self._event("write_failed", target=target, error=error)
 
     # -- failures and the restart policy --------------------------------------------------------
 
-    def _fail(self, launch: Launch, verdict: Classification, recorded: bool = False) -> None:
+    async def _fail(self, launch: Launch, verdict: Classification, recorded: bool = False) -> None:
         if not recorded:
             self._record_exit(launch, verdict)
         self.exits_by_reason[verdict.reason] = self.exits_by_reason.get(verdict.reason, 0) + 1
@@ -1220,7 +1532,7 @@ class Supervisor:
         first_start = swap is not None and swap.is_swap and swap.active and not launch.rollback
         in_probation = launch.on_probation and launch.ready_mono is not None
         if first_start or in_probation:
-            self._roll_back(launch, verdict)
+            await self._roll_back(launch, verdict)
             return
         if swap is not None and swap.active:
             # A plain restart, or the rollback itself, failed: the policy takes it from here.
@@ -1247,19 +1559,20 @@ class Supervisor:
                 S.BACKOFF, reason=verdict.reason, delay_s=round(delay, 3), failures=self.failures
             )
             self.next_retry_at = self.clock.time() + delay
-            if delay <= 0:
-                self._on_backoff_elapsed(BackoffElapsed(launch.gen))
-            else:
-                self._backoff_task = self._timer(delay, BackoffElapsed(launch.gen))
+            # Even with no delay the retry is a message of its own: its config read is awaited
+            # there, not inside the handling of this exit.
+            self._backoff_task = self._timer(max(delay, 0.0), BackoffElapsed(launch.gen))
         self._persist()
 
-    def _roll_back(self, launch: Launch, verdict: Classification) -> None:
-        """A swapped-in config failed its first start or its probation: back to the last good
-        config at once, no backoff."""
+    async def _roll_back(self, launch: Launch, verdict: Classification) -> None:
+        """A swapped-in config failed its first start or its probation: back at once, no
+        backoff, to the config that served when the swap began (else the last good one)."""
         failed = launch.config.name
         if launch.launch_id:
             self.last_failed_launch = launch.launch_id
-        target = self.last_good_config
+        began = launch.swap
+        target_cfg = began.rollback_to if began is not None else None
+        target = (began.rollback_name if began is not None else None) or self.last_good_config
         swap = launch.swap
         if swap is None or swap.outcome is not None:
             swap = Swap(
@@ -1281,7 +1594,7 @@ class Supervisor:
             self._persist()
             return
         try:
-            cfg = self._resolve(target)
+            cfg = target_cfg if target_cfg is not None else await self._resolve(target)
         except CommandError as exc:
             self._transition(S.FAILED, reason="preflight_refused", detail=exc.detail)
             self._settle_swap("failed", verdict.reason, verdict.evidence)
@@ -1299,12 +1612,12 @@ class Supervisor:
         self._set_intent(target, True)
         self._begin_attempt(cfg, rollback=True)
 
-    def _on_backoff_elapsed(self, msg: BackoffElapsed) -> None:
+    async def _on_backoff_elapsed(self, msg: BackoffElapsed) -> None:
         if self._current(msg.gen) is None or self.state != S.BACKOFF:
             return
         name = self.intent_config
         try:
-            cfg = self._resolve(name)
+            cfg = await self._resolve(name)
         except CommandError as exc:
             self._refuse(name, exc.detail)
             return
@@ -1428,6 +1741,9 @@ class Supervisor:
             "gpu_snapshot_age_s": round(max(0.0, time.monotonic() - self.gpu_snapshot.taken_at), 3),
             "gpu_pids_unresolved": self.gpu_pids_unresolved,
             "server_metrics": self.server_metrics or None,
+            "write_errors": dict(self.write_errors),
+            "internal_errors": self.internal_errors,
+            "supervising": self.stuck() is None,
         }
 
     def _sweep_status(self) -> dict[str, Any] | None:
@@ -1452,6 +1768,12 @@ class Supervisor:
             pids.update(c.pid for c in psutil.Process(launch.child.pid).children(recursive=True))
         self._tree_cache = (launch.gen, now, pids)
         return pids
+
+    def kill_server_now(self) -> None:
+        """The last resort of a shutdown that did not finish: SIGKILL to the server's group."""
+        launch = self.launch
+        if launch is not None and launch.child is not None and not launch.exited:
+            launch.child.kill_group()
 
     def ring_lines(self, n: int) -> list[str]:
         launch = self.launch

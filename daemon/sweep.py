@@ -184,7 +184,7 @@ class SweepManager:
                         "status": outcome["outcome"],
                         "reason": outcome["reason"],
                         "evidence": outcome["evidence"],
-                        "log": self._log_of(outcome),
+                        "log": self._log_of(outcome, name),
                     }
         except CommandError as exc:
             reason = exc.error if exc.error != "invalid_config" else "config_error"
@@ -228,10 +228,11 @@ class SweepManager:
             "launch_id": sup.launch.launch_id if sup.launch else None,
         }
 
-    def _log_of(self, outcome: dict[str, Any]) -> str | None:
+    def _log_of(self, outcome: dict[str, Any], config: str) -> str | None:
+        """The log of the row's own last launch (not of the rollback that followed it)."""
         for launch_id in reversed(outcome.get("launch_ids") or []):
             for h in self.sup.launch_history:
-                if h["launch_id"] == launch_id:
+                if h["launch_id"] == launch_id and h.get("config") == config:
                     return str(h.get("log_file"))
         return None
 

@@ -35,6 +35,7 @@ def test_swap_to_a_good_config_becomes_last_good(procs, tmp_path: Path, fake_gpu
     assert res.status_code == 200
     body = res.json()
     assert body["outcome"] == "ready" and body["config"] == "other"
+    assert body["state"] == "ready"  # the state when it answers, not when it accepted
     assert len(body["launch_ids"]) == 1
     d.wait_event("server.probation_passed")
     st = d.status()
@@ -338,3 +339,25 @@ def test_date_header_stays_current(procs, tmp_path: Path, fake_gpu: Path) -> Non
     first = date()
     wait_until(lambda: date() > first, 5, "the Date header to move on")
     assert abs(date() - time.time()) <= 2
+
+
+def test_a_swap_begun_during_probation_rolls_back_to_the_config_that_was_serving(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:
+    """good (last-good) -> other (ready, on probation) -> oom fails: back to other, not good."""
+    configs = two_configs(oom=standin_config("--standin-crash-on-load=cuda_oom"))
+    d = start_daemon(
+        procs, tmp_path, fake_gpu, configs, default="good", restart={"probation_s": 600}
+    )
+    d.wait_state("ready")
+    assert (
+        d.http.post("/restart", params={"config": "other", "wait": "true"}).json()["outcome"]
+        == "ready"
+    )
+    assert d.status()["last_good_config"] == "good"  # still on probation
+    body = d.http.post("/restart", params={"config": "oom", "wait": "true"}).json()
+    assert body["outcome"] == "rolled_back" and body["state"] == "ready"
+    rollback = d.wait_event("server.rollback")
+    assert rollback["to_config"] == "other"
+    st = d.status()
+    assert st["config"] == "other" and st["last_good_config"] == "other"

@@ -8,6 +8,7 @@ sweep through a crashing and a refused config."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -19,10 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
+import psutil
 import pytest
 
 from .conftest import PY, Proc, alive, wait_until
-from .daemon_harness import Daemon, standin_config, start_daemon
+from .daemon_harness import Daemon, standin_config, start_daemon, write_setup
 
 ROWS: list[tuple[str, list[str], dict[str, Any], str, str]] = [
     # id, flags, config fields, reason, a line the log file must keep
@@ -355,3 +358,254 @@ def test_a_bad_webhook_never_delays_the_relaunch(
         wait_recorded(tmp_path, "the crash", has_exit("crash"))
     finally:
         receiver.close()
+
+
+# -- the supervisor never wedges -------------------------------------------------------------------
+
+
+def test_descriptors_exhausted_in_the_sweep_is_reported_and_supervision_goes_on(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:
+    """With not one descriptor left, a crash's sweep (and the GPU wait, the log, the exec after
+    it) fail; each failure is an `internal_error` the machine handles, and once descriptors come
+    back the server is ready again. Before, the sweep's task died unseen: `stopping` for ever."""
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"f": standin_config()},
+        default="f",
+        restart={"initial_delay_s": 0.2, "max_delay_s": 0.5, "jitter": 0},
+    )
+    d.wait_state("ready")
+    server = d.status()["pid"]
+    daemon = psutil.Process(d.proc.popen.pid)
+    soft, hard = daemon.rlimit(psutil.RLIMIT_NOFILE)
+    mark = d.mark()
+    # Below every descriptor it holds: a freed one (the dead server's pipes) is no use either,
+    # as a new descriptor must be numbered under the limit. Its log (stderr) still works.
+    daemon.rlimit(psutil.RLIMIT_NOFILE, (3, hard))
+    try:
+        os.kill(server, signal.SIGKILL)
+        failed = d.wait_event("server.internal_error", after=mark, timeout=30)
+        assert "Errno 24" in failed["error"] or "Too many open files" in failed["error"]
+    finally:
+        daemon.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
+    d.wait_state("ready", after=mark, timeout=60)
+    assert d.status()["internal_errors"] >= 1
+
+
+def test_a_config_that_stops_decoding_during_backoff_fails_with_its_reason(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"f": standin_config("--standin-crash-after=0.2")},
+        default="f",
+        restart={"initial_delay_s": 1.0, "jitter": 0},
+    )
+    d.wait_state("backoff", timeout=40)
+    (tmp_path / "configs" / "f.yaml").write_bytes(b"args: {x: \xff}\n")  # a partial scp
+    refused = d.wait_event("server.preflight_refused", timeout=20)
+    assert "f.yaml: not UTF-8 text" in refused["detail"]
+    d.wait_state("failed", reason="preflight_refused")
+    res = d.http.get("/configs/f")
+    assert res.status_code == 422 and "not UTF-8 text" in res.json()["detail"]
+    assert d.status()["next_retry_at"] is None
+
+
+def test_an_undecodable_config_at_boot_is_a_failed_start_with_an_event(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:
+    write_setup(tmp_path, {"f": standin_config()}, "f")
+    (tmp_path / "configs" / "f.yaml").write_bytes(b"args: " + b"[" * 20000 + b"]" * 20000 + b"\n")
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, default="f")
+    refused = d.wait_event("server.preflight_refused")
+    assert "nested deeper than 64 levels" in refused["detail"]
+    d.wait_state("failed")
+
+
+def test_an_alias_bomb_is_refused_while_the_daemon_stays_responsive(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:
+    from .test_configs import BOMB  # noqa: PLC0415
+
+    d = start_daemon(procs, tmp_path, fake_gpu, {"f": standin_config()}, default="f")
+    d.wait_state("ready")
+    (tmp_path / "configs" / "bomb.yaml").write_text(BOMB)
+    quick = httpx.Client(base_url=d.url, timeout=10, trust_env=False)  # it took 48 s
+    res = quick.post("/configs/bomb/check")
+    assert res.status_code in (200, 422)
+    assert "aliases are expanded" in json.dumps(res.json())
+    res = quick.post("/restart", params={"config": "bomb"})
+    assert res.status_code == 422 and "aliases are expanded" in res.json()["detail"]
+    assert d.status()["state"] == "ready"
+
+
+# -- writes that fail ------------------------------------------------------------------------------
+
+
+def test_a_full_disk_is_reported_retried_and_the_gap_marked(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:
+    """A file-size limit of one byte on the daemon: no file it writes can grow. The launch log,
+    events.jsonl and state.json each report the failure, keep trying and say what is missing
+    once the limit is lifted."""
+    d = start_daemon(procs, tmp_path, fake_gpu, {"f": standin_config()}, default="f")
+    d.wait_state("ready")
+    log_file = Path(d.status()["log_file"])
+    daemon = psutil.Process(d.proc.popen.pid)
+    limit = daemon.rlimit(psutil.RLIMIT_FSIZE)
+    mark = d.mark()
+    daemon.rlimit(psutil.RLIMIT_FSIZE, (1, limit[1]))
+    try:
+        # The probes' access lines fill the launch log; a restart writes events and state.
+        d.wait_event("server.write_failed", after=mark, target="launch_log", timeout=20)
+        assert d.http.post("/restart").status_code == 202
+        d.wait_event("server.write_failed", after=mark, target="events", timeout=20)
+        d.wait_event("server.write_failed", after=mark, target="state", timeout=20)
+        st = d.status()
+        assert {"events", "state"} <= set(st["write_errors"])
+        assert "File too large" in st["write_errors"]["events"]
+    finally:
+        daemon.rlimit(psutil.RLIMIT_FSIZE, limit)
+    d.wait_event("server.write_resumed", after=mark, target="events", timeout=20)
+    d.wait_event("server.write_resumed", after=mark, target="state", timeout=20)
+    d.wait_state("ready", after=mark)
+    wait_until(lambda: not d.status()["write_errors"], 20, "no write errors")
+    text = log_file.read_text(errors="replace")
+    assert "of output not written here" in text and "File too large" in text
+    assert "# exit:" in text  # written again after the gap
+    gaps = [e for e in recorded(tmp_path) if e["event"] == "events_gap"]
+    assert gaps and gaps[0]["lost"] >= 1
+    assert any(e["event"] == "write_resumed" for e in recorded(tmp_path))
+    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert state["current_launch"]["pid"] == d.status()["pid"]  # current again
+
+
+def test_metrics_count_write_failures_per_target(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, {"f": standin_config()}, default="f")
+    d.wait_state("ready")
+    text = d.http.get("/metrics").text
+    assert 'gpuwarden_write_failures_total{target="state"} 0' in text
+
+
+# -- what operators rely on is true ------------------------------------------------------------------
+
+
+def test_stop_wins_over_restarts_whose_preflight_finishes_after_it(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:
+    """20 concurrent swaps, then a stop while their preflights still run: none of them starts a
+    server after the stop. A start sent after the stop works as usual."""
+    from .test_api import two_configs  # noqa: PLC0415
+
+    d = start_daemon(procs, tmp_path, fake_gpu, two_configs(), default="good")
+    d.wait_state("ready")
+    daemon = psutil.Process(d.proc.popen.pid)
+
+    def preflighting() -> bool:  # the version probe each swap's preflight runs
+        with_c = []
+        for child in daemon.children():
+            with contextlib.suppress(psutil.Error):
+                if "-c" in child.cmdline():
+                    with_c.append(child)
+        return bool(with_c)
+
+    with ThreadPoolExecutor(21) as pool:
+        swaps = [
+            pool.submit(d.http.post, "/restart", params={"config": "other"}) for _ in range(20)
+        ]
+        wait_until(preflighting, 20, "a swap's preflight under way")
+        assert d.http.post("/stop").status_code == 202
+        stop_index = d.wait_state("stopped")["_index"]
+        codes = [f.result().status_code for f in swaps]
+    assert set(codes) <= {202, 409}
+    assert all(
+        r["_index"] < stop_index
+        for r in [
+            {**json.loads(line), "_index": i}
+            for i, (stream, line) in enumerate(d.proc.lines)
+            if stream == "stderr" and '"event": "server.launch"' in line
+        ]
+    ), "a server launched after the stop"
+    st = d.status()
+    assert st["state"] == "stopped" and st["pid"] is None and st["intent"]["running"] is False
+    assert d.http.post("/start").status_code == 202
+    d.wait_state("ready", after=stop_index)
+
+
+def test_a_daemon_killed_mid_swap_resumes_it_as_a_swap(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:
+    from .test_api import two_configs  # noqa: PLC0415
+
+    configs = two_configs(slow=standin_config(scale=0.3))
+    d = start_daemon(
+        procs, tmp_path, fake_gpu, configs, default="good", restart={"probation_s": 600}
+    )
+    d.wait_state("ready")
+    first = d.status()["launch_id"]
+    assert d.http.post("/restart", params={"config": "slow"}).status_code == 202
+    d.wait_state("starting", config="slow")
+    swap_id = d.status()["swap"]["id"]
+    slow_launch = d.status()["launch_id"]
+    wait_until(
+        lambda: (
+            (
+                json.loads((tmp_path / "state" / "state.json").read_text())["current_launch"] or {}
+            ).get("launch_id")
+            == slow_launch
+        ),
+        10,
+        "the new launch in state.json",
+    )
+    d.proc.signal(signal.SIGKILL)
+    d.proc.wait(10)
+    d2 = start_daemon(procs, tmp_path, fake_gpu, configs, default="good")
+    resumed = d2.wait_event("server.swap_resumed")
+    assert resumed["swap_id"] == swap_id and resumed["to_config"] == "slow"
+    settled = d2.wait_event("server.swap_settled", swap_id=swap_id, timeout=60)
+    assert settled["outcome"] == "ready"
+    st = d2.status()
+    assert st["config"] == "slow" and st["last_good_config"] == "good"  # probation runs again
+    wait_recorded(  # every launch of both lives has an exit record
+        tmp_path,
+        "an exit for the first two launches",
+        lambda ev: {first, slow_launch} <= {e.get("launch_id") for e in ev if e["event"] == "exit"},
+    )
+    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    by_id = {h["launch_id"]: h for h in state["launches"]}
+    # Stopped by this boot, or dead already (a loading server writing to the dead daemon's pipe
+    # gets EPIPE): either way, on record.
+    assert by_id[slow_launch]["exit"]["reason"] in ("requested_stop", "ended_unobserved")
+    assert by_id[first]["exit"] is not None
+
+
+def test_a_server_that_ended_while_the_daemon_was_away_gets_its_exit_record(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:
+    d = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
+    d.wait_state("ready")
+    old_pid, old_launch = d.status()["pid"], d.status()["launch_id"]
+    wait_until(
+        lambda: (
+            (
+                json.loads((tmp_path / "state" / "state.json").read_text())["current_launch"] or {}
+            ).get("pid")
+            == old_pid
+        ),
+        10,
+        "the launch in state.json",
+    )
+    d.proc.signal(signal.SIGKILL)
+    d.proc.wait(10)
+    os.killpg(old_pid, signal.SIGKILL)
+    wait_until(lambda: not alive(old_pid), 10, "the old server gone")
+    d2 = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
+    ex = d2.wait_event("server.exit", reason="ended_unobserved")
+    assert ex["launch_id"] == old_launch and "while the daemon was away" in ex["evidence"]
+    d2.wait_state("ready")
+    wait_recorded(tmp_path, "the ended_unobserved exit", has_exit("ended_unobserved"))

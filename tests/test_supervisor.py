@@ -7,6 +7,7 @@ import heapq
 import random
 import signal
 import socket
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -450,3 +451,57 @@ async def test_arbitrary_output_never_breaks_supervision(tmp_path: Path, fake_gp
         long_line = next(line for line in lines if "long line" in line)
         assert long_line.endswith("[truncated; the log file has the whole line]")
         assert sup.state == S.READY
+
+
+# -- supervision never wedges ----------------------------------------------------------------------
+
+
+class WedgingGpu(FakeGpuBackend):
+    """The fake GPUs, whose snapshot blocks (a wedged driver) once `wedge` is set."""
+
+    blocking = True
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder)
+        self.wedge = threading.Event()
+        self.unwedge = threading.Event()
+
+    def snapshot(self) -> Any:
+        if self.wedge.is_set():
+            self.unwedge.wait(60)
+        return super().snapshot()
+
+
+async def test_a_helper_task_past_its_deadline_is_stuck_supervision(
+    tmp_path: Path, fake_gpu: Path
+) -> None:
+    """The watchdog is fed only while `stuck()` is None: a sweep that never ends (here, a GPU
+    snapshot that blocks) is stuck supervision, not a state that merely lasts."""
+    write_configs(tmp_path, {"f": standin_config()})
+    gpu = WedgingGpu(fake_gpu)
+    sup = Supervisor(make_settings(tmp_path, default_config="f"), gpu, preflight=PassPreflight())
+    sup.sweep_deadline_s = 0.5
+    task = asyncio.create_task(sup.run())
+    try:
+        await sup.wait_for_state(S.READY, timeout=30)
+        assert sup.stuck() is None
+        gpu.wedge.set()
+        assert sup.launch is not None and sup.launch.child is not None
+        sup.launch.child.kill_group()
+        await sup.wait_for_state(S.STOPPING)
+        await asyncio.wait_for(_until(lambda: sup.stuck() is not None), 10)
+        assert "after_exit task is" in (sup.stuck() or "")
+        assert sup.status()["supervising"] is False
+        gpu.wedge.clear()
+        gpu.unwedge.set()
+        await sup.wait_for_state(S.READY, timeout=30)
+        assert sup.stuck() is None
+    finally:
+        gpu.unwedge.set()
+        await asyncio.wait_for(sup.shutdown(), 30)
+        await asyncio.wait_for(task, 10)
+
+
+async def _until(predicate: Any) -> None:
+    while not predicate():  # noqa: ASYNC110 - a deadline passing is no event to await
+        await asyncio.sleep(0.05)
