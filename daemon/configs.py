@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gpuwarden.daemon.redact import redact_argv, redact_env
+from gpuwarden.daemon.redact import MASK, ArgvSecrets, argv_secrets, redact_env, secret_values
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 DEFAULT_COMMAND = ["python", "-m", "sglang.launch_server"]
@@ -164,8 +164,18 @@ class ResolvedConfig:
             return [t.strip() for t in cvd.split(",") if t.strip()]
         return None
 
+    @property
+    def argv_secrets(self) -> ArgvSecrets:
+        """Which of this config's flags carry secrets: judged by the server's parser when it is
+        known and readable (SGLang, the stand-in), else by name."""
+        return argv_secrets(self.argv, parser_known=self.config.preflight.argv)
+
     def redacted_argv(self) -> list[str]:
-        return redact_argv(self.argv)
+        return self.argv_secrets.redact(self.argv)
+
+    def secret_values(self) -> list[str]:
+        """The literal secrets of a launch of this config, to be masked wherever they appear."""
+        return secret_values(self.argv, self.config.env, self.argv_secrets)
 
     def redacted_env(self) -> dict[str, str]:
         return redact_env(self.config.env)
@@ -174,11 +184,13 @@ class ResolvedConfig:
         """What the API shows of a config: resolved, with secrets masked."""
         data = self.config.model_dump(mode="json")
         data["env"] = self.redacted_env()
-        masked_args = {}
-        for key, value in data["args"].items():
-            flag = key if key.startswith("-") else f"--{key}"
-            masked_args[key] = "***" if redact_argv([flag, "x"])[1] == "***" else value
-        data["args"] = masked_args
+        secrets = self.argv_secrets
+        # `command` may hold flags too (`[sglang, serve, --api-key=...]`).
+        data["command"] = secrets.redact(self.config.command)
+        data["args"] = {
+            key: MASK if secrets.is_secret(key if key.startswith("-") else f"--{key}") else value
+            for key, value in data["args"].items()
+        }
         return {
             "name": self.name,
             "config": data,
