@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ class ServerConfig(_Strict):
     extends: str | None = None
     command: list[str] = Field(default_factory=lambda: list(DEFAULT_COMMAND), min_length=1)
     args: dict[str, Scalar | list[Scalar] | dict[str, Any]] = Field(default_factory=dict)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str | None] = Field(default_factory=dict)  # None: unset in the server
     gpus: list[int | str] | None = None
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)  # type: ignore[arg-type]
@@ -70,9 +71,17 @@ class ServerConfig(_Strict):
     @field_validator("env", mode="before")
     @classmethod
     def _env_values_to_str(cls, value: Any) -> Any:
+        # `NAME: null` unsets NAME (also one inherited from the daemon, or set by the config
+        # this one extends); any other scalar is the string YAML spelled.
         if isinstance(value, dict):
             return {
-                k: (v if isinstance(v, str) else json.dumps(v) if isinstance(v, bool) else str(v))
+                k: (
+                    v
+                    if v is None or isinstance(v, str)
+                    else json.dumps(v)
+                    if isinstance(v, bool)
+                    else str(v)
+                )
                 for k, v in value.items()
             }
         return value
@@ -130,7 +139,20 @@ class ResolvedConfig:
 
     @property
     def env(self) -> dict[str, str]:
-        return dict(self.config.env)
+        """The variables this config sets."""
+        return {k: v for k, v in self.config.env.items() if v is not None}
+
+    @property
+    def unset_env(self) -> list[str]:
+        """The variables this config removes from the server's environment (`NAME: null`)."""
+        return [k for k, v in self.config.env.items() if v is None]
+
+    def process_env(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The server's environment: `base` (the daemon's) with this config's changes."""
+        env = {**base, **self.env}
+        for name in self.unset_env:
+            env.pop(name, None)
+        return env
 
     @property
     def port(self) -> int:
@@ -175,10 +197,12 @@ class ResolvedConfig:
 
     def secret_values(self) -> list[str]:
         """The literal secrets of a launch of this config, to be masked wherever they appear."""
-        return secret_values(self.argv, self.config.env, self.argv_secrets)
+        return secret_values(self.argv, self.env, self.argv_secrets)
 
-    def redacted_env(self) -> dict[str, str]:
-        return redact_env(self.config.env)
+    def redacted_env(self) -> dict[str, str | None]:
+        """The env overrides with secrets masked; None marks a variable the config unsets."""
+        masked = redact_env(self.env)
+        return {k: masked.get(k) for k in self.config.env}
 
     def view(self) -> dict[str, Any]:
         """What the API shows of a config: resolved, with secrets masked."""
@@ -357,7 +381,9 @@ class ConfigStore:
 
 
 def redacted_header_lines(cfg: ResolvedConfig) -> list[str]:
-    env = " ".join(f"{k}={v}" for k, v in cfg.redacted_env().items())
+    env = " ".join(f"{k}={v}" for k, v in cfg.redacted_env().items() if v is not None)
+    if cfg.unset_env:
+        env = f"{env}; unset: {' '.join(cfg.unset_env)}".lstrip("; ")
     return [
         f"config: {cfg.name} (hash {cfg.config_hash}; {', '.join(str(f) for f in cfg.files)})",
         f"argv: {' '.join(cfg.redacted_argv())}",

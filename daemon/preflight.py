@@ -177,7 +177,7 @@ class Preflight:
     async def parser_for(self, cfg: ResolvedConfig) -> tuple[ParserSpec | None, list[str]]:
         """The server's options, and warnings about how they were obtained."""
         cli = split_command(cfg.argv)
-        env = {**os.environ, **cfg.env}
+        env = cfg.process_env(os.environ)
         warnings: list[str] = []
         if cli.module in _SCRIPTS and cli.interpreter is not None:
             interp = shutil.which(cli.interpreter) or cli.interpreter

@@ -878,7 +878,7 @@ class Supervisor:
         except LogUnwritable as exc:
             self._fail(launch, Classification("log_unwritable", f"cannot create the log: {exc}"))
             return
-        env = {**os.environ, **cfg.env}
+        env = cfg.process_env(os.environ)
         try:
             child = await childmod.spawn(
                 cfg.argv, env, launch.launch_id, launch.log.feed, token=launch.token
