@@ -13,7 +13,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 import structlog
@@ -94,7 +94,9 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(settings: Settings) -> int:
+async def serve(settings: Settings, on_listening: Callable[[str, int], None] | None = None) -> int:
+    """Run the daemon until SIGTERM/SIGINT. `on_listening(host, port)` is called with the bound
+    address once the control plane answers (port 0 in the settings becomes the real one)."""
     host, port = settings.listen_host_port
     try:
         sock = bind(host, port)
@@ -144,6 +146,8 @@ async def serve(settings: Settings) -> int:
     log.info(
         "api.listening", host=bound_host, port=bound_port, url=f"http://{bound_host}:{bound_port}"
     )
+    if on_listening is not None:
+        on_listening(bound_host, bound_port)
     # systemd: ready once the control plane listens (the server may still be loading: /status
     # says so); STATUS follows the server; WATCHDOG=1 comes from this loop, so a stuck loop is
     # restarted by systemd.
