@@ -98,6 +98,10 @@ def parse_line(line: str) -> ParsedLine:
     if READY_LINE in msg:
         out.ready = True
         return out
+    if msg.startswith("server_args="):
+        # SGLang's settings at start: values (paths, names, `watchdog_timeout=300`, an NCCL
+        # flag) are no report of anything that happened.
+        return out
     if msg.startswith("Decode batch"):
         values: dict[str, float] = {}
         for key, rx in _FIELDS.items():
