@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpuwarden",
         description="Supervise an SGLang inference server on a GPU host.",
+        parents=[client.global_flags(on_subcommand=False)],
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.add_parser(sub)

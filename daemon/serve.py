@@ -58,7 +58,8 @@ class _Server(uvicorn.Server):
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the daemon in the foreground")
-    p.add_argument("--settings", type=Path, default=None, help="settings YAML")
+    # SUPPRESS: `gpuwarden --settings FILE serve` keeps the main parser's value.
+    p.add_argument("--settings", type=Path, default=argparse.SUPPRESS, help="settings YAML")
     p.add_argument("--listen", default=None, help="control plane HOST:PORT (overrides settings)")
     p.set_defaults(func=run)
 
