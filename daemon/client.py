@@ -193,7 +193,14 @@ def _table(rows: Sequence[tuple[str, ...]], headers: tuple[str, ...]) -> None:
     table = Table(*headers, box=None, pad_edge=False, show_header=True, header_style="bold")
     for row in rows:
         table.add_row(*row)
-    Console(width=max(100, Console().width)).print(table)
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich would exit 1 itself; the CLI ends every command alike (cli.main).
+            self.quiet = True
+            raise BrokenPipeError
+
+    _Console(width=max(100, Console().width)).print(table)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

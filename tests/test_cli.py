@@ -27,16 +27,36 @@ def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def guarded_daemon(procs, tmp_path: Path, fake_gpu: Path) -> Daemon:  # type: ignore[no-untyped-def]
+def guarded_daemon(procs, tmp_path: Path, fake_gpu: Path, default: str | None = None) -> Daemon:  # type: ignore[no-untyped-def]
     (tmp_path / "token").write_text("tok-cli-123\n")
     return start_daemon(
         procs,
         tmp_path,
         fake_gpu,
         {"c": standin_config()},
+        default=default,
         listen=f"127.0.0.1:{free_port()}",
         token_file="./token",
     )
+
+
+def cli_into_closed_pipe(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """Run with stdout a pipe whose reader is already gone: the first write meets EPIPE, as
+    in `gpuwarden dump | head` once head has read its lines."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [PY, "-m", "gpuwarden.daemon.cli", *map(str, args)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+            env=_env(),
+        )
+    finally:
+        os.close(write_end)
 
 
 def test_global_flags_work_before_or_after_the_subcommand(
@@ -67,3 +87,32 @@ def test_global_flags_work_before_or_after_the_subcommand(
     assert json.loads(res.stdout)["ok"] is True
     res = cli("--url", d.url, "configs", "--bogus")
     assert res.returncode == 2 and "unrecognized arguments: --bogus" in res.stderr
+
+
+def test_a_reader_that_stops_reading_ends_every_printing_command_quietly(
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:  # type: ignore[no-untyped-def]
+    d = guarded_daemon(procs, tmp_path, fake_gpu, default="c")
+    d.wait_state("ready")
+    token, settings = tmp_path / "token", tmp_path / "settings.yaml"
+    common = ["--url", d.url, "--token-file", token]
+    for argv in (
+        ["dump"],
+        ["dump", "--json"],
+        ["status"],
+        ["status", "--json"],
+        ["events"],
+        ["configs"],
+        ["logs", "-n", "50"],
+        ["logs", "-f", "-n", "50"],
+        ["check", "c"],
+        ["check", "c", "--offline", "--settings", settings],
+    ):
+        res = cli_into_closed_pipe(*common, *argv)
+        assert res.stderr == "", (argv, res.stderr)
+        assert res.returncode == 141, argv  # 128 + SIGPIPE, as cat or git under `head`
+    for argv in (["--help"], ["dump", "--help"]):
+        # argparse itself ignores errors writing help: quiet, and its usual 0.
+        res = cli_into_closed_pipe(*argv)
+        assert (res.returncode, res.stderr) == (0, ""), argv
+    assert cli("--url", d.url, "--token-file", token, "configs").returncode == 0
