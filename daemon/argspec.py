@@ -17,6 +17,7 @@ import argparse
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 # nargs as argparse spells it: None (one value), an int, or one of '?', '*', '+'.
@@ -304,3 +305,30 @@ def option_strings(specs: Iterable[OptionSpec]) -> set[str]:
         if spec.kind == KIND_BOOL_PAIR:
             out.update("--no-" + s[2:] for s in spec.strings if s.startswith("--"))
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Where a command's program ends and its arguments begin
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerCli:
+    """Where a config's server program ends and its arguments begin."""
+
+    interpreter: str | None  # for `python -m module` commands
+    module: str | None
+    program: list[str]  # the argv prefix that runs the server
+    args: list[str]
+
+
+def split_command(argv: Sequence[str]) -> ServerCli:
+    argv = list(argv)
+    exe = Path(argv[0]).name
+    if exe.startswith("python") and len(argv) >= 3 and argv[1] == "-m":
+        return ServerCli(argv[0], argv[2], argv[:3], argv[3:])
+    if exe == "sglang" and len(argv) >= 2 and argv[1] == "serve":
+        return ServerCli(None, "sglang.launch_server", argv[:2], argv[2:])
+    if exe.startswith("python") and len(argv) >= 2 and not argv[1].startswith("-"):
+        return ServerCli(None, None, argv[:2], argv[2:])  # python script.py ...
+    return ServerCli(None, None, argv[:1], argv[1:])

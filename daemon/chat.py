@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuwarden.daemon.gpu import render_gpu_table
-from gpuwarden.daemon.serverlog import read_tail
+from gpuwarden.daemon.serverlog import parse_line, read_tail, strip_prefix
 
 if TYPE_CHECKING:
     from gpuwarden.daemon.supervisor import Supervisor
@@ -28,16 +28,6 @@ CHAT_LIMIT = 12000  # characters per chat reply (Mattermost: 16383; Slack: 3000 
 CHAT_TAIL_LINES = 30
 CHAT_LINE = 240  # a log line in a chat reply is cut here; the saved dump keeps it whole
 DUMP_LINE = 4000
-_MARKS = (
-    ("Traceback", "!"),
-    ("rror", "!"),
-    ("xception", "!"),
-    ("out of memory", "!"),
-    ("NCCL", "!"),
-    ("atchdog", "!"),
-    ("sigquit", "!"),
-    ("SIGQUIT", "!"),
-)
 
 
 def normalize(text: str) -> str:
@@ -54,9 +44,18 @@ def matches_trigger(text: str, triggers: list[str]) -> str | None:
     return None
 
 
+def is_error_line(line: str) -> bool:
+    """A line that reports a failure, by the same reading that classifies exits: a finding of
+    the log parser (exceptions, CUDA OOM, NCCL errors, watchdog timeouts, argparse errors,
+    SIGQUIT, dead schedulers, ...) or a traceback's first line. Substrings would mark lines
+    that merely mention such words, like SGLang's ``server_args=`` line (watchdog_timeout=300).
+    """
+    msg = strip_prefix(line).strip()
+    return msg.startswith("Traceback (most recent call last)") or bool(parse_line(line).findings)
+
+
 def mark(line: str) -> str:
-    flag = next((m for key, m in _MARKS if key in line), " ")
-    return f"{flag} {line}"
+    return f"{'!' if is_error_line(line) else ' '} {line}"
 
 
 def _no_log_reason(last_exit: dict[str, Any] | None, launch_ran: bool) -> str | None:

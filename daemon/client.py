@@ -24,65 +24,86 @@ class ClientError(Exception):
     pass
 
 
-def add_common(p: argparse.ArgumentParser) -> None:
+def global_flags(on_subcommand: bool) -> argparse.ArgumentParser:
+    """--url, --token-file, --settings and --json, accepted before or after the subcommand.
+
+    The main parser holds the defaults; each subcommand repeats the flags with SUPPRESS as
+    default, so a flag given before the subcommand is not reset by the subcommand's parser,
+    and one given after it wins."""
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if on_subcommand else value
+
+    p = argparse.ArgumentParser(add_help=False)
     p.add_argument(
         "--url",
-        default=os.environ.get("GPUWARDEN_URL", DEFAULT_URL),
-        help=f"the daemon (default {DEFAULT_URL}, or $GPUWARDEN_URL)",
+        default=default(None),
+        help=f"the daemon (default $GPUWARDEN_URL, else the --settings listen address, "
+        f"else {DEFAULT_URL})",
     )
     p.add_argument(
         "--token-file",
         type=Path,
-        default=None,
-        help="bearer token file (default: $GPUWARDEN_TOKEN)",
+        default=default(None),
+        help="bearer token file (default $GPUWARDEN_TOKEN, else the --settings token_file)",
     )
-    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.add_argument(
+        "--settings",
+        type=Path,
+        default=default(None),
+        help="settings YAML: the daemon's (serve), the configs (check --offline), the "
+        "daemon's address and token (the other commands)",
+    )
+    p.add_argument(
+        "--json", action="store_true", default=default(False), help="print JSON for scripts"
+    )
+    return p
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("status", help="the server's state, config, last exit and GPUs")
-    add_common(p)
+    common = global_flags(on_subcommand=True)
+    p = sub.add_parser(
+        "status", parents=[common], help="the server's state, config, last exit and GPUs"
+    )
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("restart", help="restart the current config, or swap to CONFIG")
+    p = sub.add_parser(
+        "restart", parents=[common], help="restart the current config, or swap to CONFIG"
+    )
     p.add_argument("config", nargs="?")
     p.add_argument("--wait", action="store_true", help="wait for the outcome (1 if not ready)")
-    add_common(p)
     p.set_defaults(func=cmd_restart)
 
-    p = sub.add_parser("start", help="start CONFIG (or the saved one)")
+    p = sub.add_parser("start", parents=[common], help="start CONFIG (or the saved one)")
     p.add_argument("config", nargs="?")
-    add_common(p)
     p.set_defaults(func=cmd_start)
 
-    p = sub.add_parser("stop", help="stop the server and leave it stopped")
-    add_common(p)
+    p = sub.add_parser("stop", parents=[common], help="stop the server and leave it stopped")
     p.set_defaults(func=cmd_stop)
 
-    p = sub.add_parser("logs", help="the server's log")
+    p = sub.add_parser("logs", parents=[common], help="the server's log")
     p.add_argument("-n", "--lines", type=int, default=100)
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     p.add_argument("--launch", default=None, help="a launch id, or `previous`")
-    add_common(p)
     p.set_defaults(func=cmd_logs)
 
-    p = sub.add_parser("events", help="recent events")
+    p = sub.add_parser("events", parents=[common], help="recent events")
     p.add_argument("-n", "--limit", type=int, default=30)
-    add_common(p)
     p.set_defaults(func=cmd_events)
 
-    p = sub.add_parser("configs", help="the named configs")
-    add_common(p)
+    p = sub.add_parser("configs", parents=[common], help="the named configs")
     p.set_defaults(func=cmd_configs)
 
-    p = sub.add_parser("check", help="preflight CONFIG without touching the running server")
+    p = sub.add_parser(
+        "check", parents=[common], help="preflight CONFIG without touching the running server"
+    )
     p.add_argument("config")
     p.add_argument("--offline", action="store_true", help="check here, without a daemon")
-    p.add_argument("--settings", type=Path, default=None, help="settings (with --offline)")
-    add_common(p)
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("sweep", help="benchmark configs in turn: table, CSV, chart")
+    p = sub.add_parser(
+        "sweep", parents=[common], help="benchmark configs in turn: table, CSV, chart"
+    )
     p.add_argument("configs", nargs="+", metavar="CONFIG")
     p.add_argument("--baseline", default=None, help="the reference config (default: the first)")
     p.add_argument("--end-on", default=None, help="the config to serve at the end")
@@ -90,12 +111,37 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=128)
-    add_common(p)
     p.set_defaults(func=cmd_sweep)
 
-    p = sub.add_parser("dump", help="the diagnostic dump")
-    add_common(p)
+    p = sub.add_parser("dump", parents=[common], help="the diagnostic dump")
     p.set_defaults(func=cmd_dump)
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from gpuwarden.daemon.settings import SettingsError, load_settings  # noqa: PLC0415
+
+    try:
+        return load_settings(args.settings)
+    except SettingsError as exc:
+        raise ClientError(str(exc)) from exc
+
+
+def resolve_target(args: argparse.Namespace) -> None:
+    """Fill in args.url and args.token_file: the flags, else the environment, else the
+    daemon's own settings (--settings), else the defaults."""
+    settings = None
+    if args.url is None:
+        args.url = os.environ.get("GPUWARDEN_URL")
+    if args.url is None and args.settings is not None:
+        settings = _settings(args)
+        host, port = settings.listen_host_port
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+        args.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    if args.url is None:
+        args.url = DEFAULT_URL
+    if args.token_file is None and "GPUWARDEN_TOKEN" not in os.environ and args.settings:
+        settings = settings or _settings(args)
+        args.token_file = settings.token_file
 
 
 def _client(args: argparse.Namespace, timeout: float | None = 30.0) -> httpx.Client:
@@ -147,7 +193,14 @@ def _table(rows: Sequence[tuple[str, ...]], headers: tuple[str, ...]) -> None:
     table = Table(*headers, box=None, pad_edge=False, show_header=True, header_style="bold")
     for row in rows:
         table.add_row(*row)
-    Console(width=max(100, Console().width)).print(table)
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich would exit 1 itself; the CLI ends every command alike (cli.main).
+            self.quiet = True
+            raise BrokenPipeError
+
+    _Console(width=max(100, Console().width)).print(table)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -373,6 +426,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.func is not cmd_check or not args.offline:
+            resolve_target(args)
         return int(args.func(args))
     except ClientError as exc:
         print(f"gpuwarden: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gpuwarden.daemon.redact import redact_argv, redact_env
+from gpuwarden.daemon.redact import MASK, ArgvSecrets, argv_secrets, redact_env, secret_values
 from gpuwarden.daemon.safefile import YamlLimit, load_yaml, read_regular_text
 
 # A config is a few hundred lines; anything near this is a mistake or an attack.
@@ -66,7 +67,7 @@ class ServerConfig(_Strict):
     extends: str | None = None
     command: list[str] = Field(default_factory=lambda: list(DEFAULT_COMMAND), min_length=1)
     args: dict[str, Scalar | list[Scalar] | dict[str, Any]] = Field(default_factory=dict)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str | None] = Field(default_factory=dict)  # None: unset in the server
     gpus: list[int | str] | None = None
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)  # type: ignore[arg-type]
@@ -74,9 +75,17 @@ class ServerConfig(_Strict):
     @field_validator("env", mode="before")
     @classmethod
     def _env_values_to_str(cls, value: Any) -> Any:
+        # `NAME: null` unsets NAME (also one inherited from the daemon, or set by the config
+        # this one extends); any other scalar is the string YAML spelled.
         if isinstance(value, dict):
             return {
-                k: (v if isinstance(v, str) else json.dumps(v) if isinstance(v, bool) else str(v))
+                k: (
+                    v
+                    if v is None or isinstance(v, str)
+                    else json.dumps(v)
+                    if isinstance(v, bool)
+                    else str(v)
+                )
                 for k, v in value.items()
             }
         return value
@@ -134,7 +143,20 @@ class ResolvedConfig:
 
     @property
     def env(self) -> dict[str, str]:
-        return dict(self.config.env)
+        """The variables this config sets."""
+        return {k: v for k, v in self.config.env.items() if v is not None}
+
+    @property
+    def unset_env(self) -> list[str]:
+        """The variables this config removes from the server's environment (`NAME: null`)."""
+        return [k for k, v in self.config.env.items() if v is None]
+
+    def process_env(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The server's environment: `base` (the daemon's) with this config's changes."""
+        env = {**base, **self.env}
+        for name in self.unset_env:
+            env.pop(name, None)
+        return env
 
     @property
     def port(self) -> int:
@@ -168,21 +190,35 @@ class ResolvedConfig:
             return [t.strip() for t in cvd.split(",") if t.strip()]
         return None
 
-    def redacted_argv(self) -> list[str]:
-        return redact_argv(self.argv)
+    @property
+    def argv_secrets(self) -> ArgvSecrets:
+        """Which of this config's flags carry secrets: judged by the server's parser when it is
+        known and readable (SGLang, the stand-in), else by name."""
+        return argv_secrets(self.argv, parser_known=self.config.preflight.argv)
 
-    def redacted_env(self) -> dict[str, str]:
-        return redact_env(self.config.env)
+    def redacted_argv(self) -> list[str]:
+        return self.argv_secrets.redact(self.argv)
+
+    def secret_values(self) -> list[str]:
+        """The literal secrets of a launch of this config, to be masked wherever they appear."""
+        return secret_values(self.argv, self.env, self.argv_secrets)
+
+    def redacted_env(self) -> dict[str, str | None]:
+        """The env overrides with secrets masked; None marks a variable the config unsets."""
+        masked = redact_env(self.env)
+        return {k: masked.get(k) for k in self.config.env}
 
     def view(self) -> dict[str, Any]:
         """What the API shows of a config: resolved, with secrets masked."""
         data = self.config.model_dump(mode="json")
         data["env"] = self.redacted_env()
-        masked_args = {}
-        for key, value in data["args"].items():
-            flag = key if key.startswith("-") else f"--{key}"
-            masked_args[key] = "***" if redact_argv([flag, "x"])[1] == "***" else value
-        data["args"] = masked_args
+        secrets = self.argv_secrets
+        # `command` may hold flags too (`[sglang, serve, --api-key=...]`).
+        data["command"] = secrets.redact(self.config.command)
+        data["args"] = {
+            key: MASK if secrets.is_secret(key if key.startswith("-") else f"--{key}") else value
+            for key, value in data["args"].items()
+        }
         return {
             "name": self.name,
             "config": data,
@@ -359,7 +395,9 @@ class ConfigStore:
 
 
 def redacted_header_lines(cfg: ResolvedConfig) -> list[str]:
-    env = " ".join(f"{k}={v}" for k, v in cfg.redacted_env().items())
+    env = " ".join(f"{k}={v}" for k, v in cfg.redacted_env().items() if v is not None)
+    if cfg.unset_env:
+        env = f"{env}; unset: {' '.join(cfg.unset_env)}".lstrip("; ")
     return [
         f"config: {cfg.name} (hash {cfg.config_hash}; {', '.join(str(f) for f in cfg.files)})",
         f"argv: {' '.join(cfg.redacted_argv())}",

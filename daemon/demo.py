@@ -1,7 +1,9 @@
 """``gpuwarden demo``: a daemon on the bundled SGLang stand-in and a fake 8-GPU host.
 
 Writes settings, a fake GPU folder and two server configs (``baseline`` and ``eagle3``) into a
-folder (a temporary one unless ``--dir``), then runs there in the foreground.
+folder (a temporary one unless ``--dir``), then runs there in the foreground. The stand-in
+serves on a port picked free at start (SGLang's 30000 may be taken on a shared host); the
+banner, printed once the control plane listens, names the bound addresses.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -19,24 +22,38 @@ import yaml
 from gpuwarden.standin import fakegpu
 
 DEMO_TIME_SCALE = 0.05  # the stand-in loads in about a second instead of twenty
-DEMO_SERVER_PORT = 30000
+DEFAULT_LISTEN = "127.0.0.1:8600"
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="run the daemon on the bundled SGLang stand-in")
-    p.add_argument("--listen", default="127.0.0.1:8600", help="control plane HOST:PORT")
+    p.add_argument(
+        "--listen",
+        default=os.environ.get("GPUWARDEN_LISTEN", DEFAULT_LISTEN),
+        help=f"control plane HOST:PORT (default $GPUWARDEN_LISTEN, else {DEFAULT_LISTEN}; "
+        "port 0 picks a free one)",
+    )
     p.add_argument("--dir", type=Path, default=None, help="demo folder (default: a temp dir)")
     p.set_defaults(func=run)
 
 
-def demo_configs(root: Path, python: str = sys.executable) -> dict[str, dict[str, Any]]:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the OS's pick), for the stand-in."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def demo_configs(
+    root: Path, server_port: int, python: str = sys.executable
+) -> dict[str, dict[str, Any]]:
     """The demo's named server configs: the seed's baseline and its best EAGLE-3 setting."""
     baseline = {
         "command": [python, "-m", "gpuwarden.standin"],
         "args": {
             "model-path": str(root / "models" / "Kimi-K2.5"),
             "tp-size": 8,
-            "port": DEMO_SERVER_PORT,
+            "port": server_port,
             "standin-time-scale": DEMO_TIME_SCALE,
         },
         "env": {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"},
@@ -63,13 +80,13 @@ def demo_configs(root: Path, python: str = sys.executable) -> dict[str, dict[str
     }
 
 
-def write_demo_dir(root: Path, listen: str) -> Path:
+def write_demo_dir(root: Path, listen: str, server_port: int) -> Path:
     """Lay out settings.yaml, configs/, and the fake GPU under `root`; return the settings path."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "configs").mkdir(exist_ok=True)
     for model in ("Kimi-K2.5", "eagle3-drafter"):  # the stand-in loads nothing from them
         (root / "models" / model).mkdir(parents=True, exist_ok=True)
-    for name, cfg in demo_configs(root).items():
+    for name, cfg in demo_configs(root, server_port).items():
         (root / "configs" / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     if not (root / "fakegpu" / "gpus.json").exists():
         fakegpu.init_dir(root / "fakegpu", count=8)
@@ -88,21 +105,13 @@ def write_demo_dir(root: Path, listen: str) -> Path:
     return path
 
 
-def run(args: argparse.Namespace) -> int:
-    from gpuwarden.daemon import logsetup  # noqa: PLC0415
-    from gpuwarden.daemon.serve import serve  # noqa: PLC0415
-    from gpuwarden.daemon.settings import load_settings  # noqa: PLC0415
-
-    root = (args.dir or Path(tempfile.mkdtemp(prefix="gpuwarden-demo-"))).resolve()
-    settings_path = write_demo_dir(root, args.listen)
-    os.environ[fakegpu.ENV_DIR] = str(root / "fakegpu")
-    logsetup.configure()
-    settings = load_settings(settings_path)
-    url = f"http://{args.listen}"
-    print(
-        f"""gpuwarden demo in {root}
+def banner(root: Path, host: str, port: int, server_port: int) -> str:
+    # A wildcard address is not one to send requests to: curl the loopback instead.
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    url = f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+    return f"""gpuwarden demo in {root}
   the daemon listens on {url}; it runs the SGLang stand-in (config 'baseline', tp 8)
-  on a fake 8-GPU host, serving on 127.0.0.1:{DEMO_SERVER_PORT}.
+  on a fake 8-GPU host, serving on 127.0.0.1:{server_port} (a free port; see configs/).
 
   try:
     curl {url}/status
@@ -110,11 +119,31 @@ def run(args: argparse.Namespace) -> int:
     gpuwarden status --url {url}
     curl -X POST {url}/chat -H 'Content-Type: application/json' -d '{{"text":"server crashed"}}'
     gpuwarden fake-gpu hold --gpu 3 --mib 40000 --dir {root / "fakegpu"}   # a foreign holder
-    curl 127.0.0.1:{DEMO_SERVER_PORT}/v1/models
+    curl 127.0.0.1:{server_port}/v1/models
     gpuwarden sweep baseline eagle3 eagle3_cg_16 eagle3_nocg_16 --url {url}   # table + chart
 
   Ctrl-C stops the daemon and the server.
-""",
-        flush=True,
-    )
-    return asyncio.run(serve(settings))
+"""
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpuwarden.daemon import logsetup  # noqa: PLC0415
+    from gpuwarden.daemon.serve import serve  # noqa: PLC0415
+    from gpuwarden.daemon.settings import SettingsError, load_settings  # noqa: PLC0415
+
+    root = (args.dir or Path(tempfile.mkdtemp(prefix="gpuwarden-demo-"))).resolve()
+    server_port = free_port()
+    settings_path = write_demo_dir(root, args.listen, server_port)
+    os.environ[fakegpu.ENV_DIR] = str(root / "fakegpu")
+    logsetup.configure()
+    try:
+        # The flag (or $GPUWARDEN_LISTEN, its default) names the address.
+        settings = load_settings(settings_path, listen=args.listen)
+    except SettingsError as exc:
+        print(f"gpuwarden: {exc}", file=sys.stderr)
+        return 1
+
+    def announce(host: str, port: int) -> None:
+        print(banner(root, host, port, server_port), flush=True)
+
+    return asyncio.run(serve(settings, on_listening=announce))

@@ -29,8 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuwarden.daemon.argspec import KIND_HELP, OptionSpec, add_specs, parse_help
+from gpuwarden.daemon.argspec import (
+    KIND_HELP,
+    OptionSpec,
+    add_specs,
+    parse_help,
+    split_command,
+)
 from gpuwarden.daemon.configs import ResolvedConfig
+from gpuwarden.daemon.redact import Redactor
 
 INTROSPECT_TIMEOUT_S = 120.0
 
@@ -112,28 +119,6 @@ class _ParseError(Exception):
     pass
 
 
-@dataclass(frozen=True)
-class ServerCli:
-    """Where a config's server program ends and its arguments begin."""
-
-    interpreter: str | None  # for `python -m module` commands
-    module: str | None
-    program: list[str]  # the argv prefix that runs the server
-    args: list[str]
-
-
-def split_command(argv: Sequence[str]) -> ServerCli:
-    argv = list(argv)
-    exe = Path(argv[0]).name
-    if exe.startswith("python") and len(argv) >= 3 and argv[1] == "-m":
-        return ServerCli(argv[0], argv[2], argv[:3], argv[3:])
-    if exe == "sglang" and len(argv) >= 2 and argv[1] == "serve":
-        return ServerCli(None, "sglang.launch_server", argv[:2], argv[2:])
-    if exe.startswith("python") and len(argv) >= 2 and not argv[1].startswith("-"):
-        return ServerCli(None, None, argv[:2], argv[2:])  # python script.py ...
-    return ServerCli(None, None, argv[:1], argv[1:])
-
-
 def _version_flags(args: Sequence[str]) -> tuple[str, ...]:
     """Flags that select the parser itself (the stand-in's --standin-version)."""
     out: list[str] = []
@@ -192,7 +177,7 @@ class Preflight:
     async def parser_for(self, cfg: ResolvedConfig) -> tuple[ParserSpec | None, list[str]]:
         """The server's options, and warnings about how they were obtained."""
         cli = split_command(cfg.argv)
-        env = {**os.environ, **cfg.env}
+        env = cfg.process_env(os.environ)
         warnings: list[str] = []
         if cli.module in _SCRIPTS and cli.interpreter is not None:
             interp = shutil.which(cli.interpreter) or cli.interpreter
@@ -284,6 +269,10 @@ class Preflight:
         port_problem = check_port(cfg.host, cfg.port, replacing_port) if knows_port else None
         if port_problem:
             result.problems.append(port_problem)
+        # argparse quotes what it refuses (`unrecognized arguments: ... sk-...`).
+        scrub = Redactor(cfg.secret_values()).text
+        result.problems = [scrub(p) for p in result.problems]
+        result.warnings = [scrub(w) for w in result.warnings]
         result.ok = not result.problems
         return result
 

@@ -14,7 +14,7 @@ import resource
 import signal
 import socket
 import sys
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 import structlog
@@ -59,7 +59,8 @@ class _Server(uvicorn.Server):
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the daemon in the foreground")
-    p.add_argument("--settings", type=Path, default=None, help="settings YAML")
+    # SUPPRESS: `gpuwarden --settings FILE serve` keeps the main parser's value.
+    p.add_argument("--settings", type=Path, default=argparse.SUPPRESS, help="settings YAML")
     p.add_argument("--listen", default=None, help="control plane HOST:PORT (overrides settings)")
     p.set_defaults(func=run)
 
@@ -95,7 +96,9 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(settings: Settings) -> int:
+async def serve(settings: Settings, on_listening: Callable[[str, int], None] | None = None) -> int:
+    """Run the daemon until SIGTERM/SIGINT. `on_listening(host, port)` is called with the bound
+    address once the control plane answers (port 0 in the settings becomes the real one)."""
     host, port = settings.listen_host_port
     try:
         sock = bind(host, port)
@@ -146,6 +149,8 @@ async def serve(settings: Settings) -> int:
     log.info(
         "api.listening", host=bound_host, port=bound_port, url=f"http://{bound_host}:{bound_port}"
     )
+    if on_listening is not None:
+        on_listening(bound_host, bound_port)
     # systemd: ready once the control plane listens (the server may still be loading: /status
     # says so); STATUS follows the server; WATCHDOG=1 comes from this loop, so a stuck loop is
     # restarted by systemd.

@@ -98,6 +98,10 @@ def parse_line(line: str) -> ParsedLine:
     if READY_LINE in msg:
         out.ready = True
         return out
+    if msg.startswith("server_args="):
+        # SGLang's settings at start: values (paths, names, `watchdog_timeout=300`, an NCCL
+        # flag) are no report of anything that happened.
+        return out
     if msg.startswith("Decode batch"):
         values: dict[str, float] = {}
         for key, rx in _FIELDS.items():
@@ -247,6 +251,16 @@ def collapse_cr(line: str) -> str:
 # -- the per-launch log ---------------------------------------------------------------------------
 
 
+# Control characters and Unicode line breaks (what str.splitlines splits on, besides \n).
+_CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def escape_controls(text: str) -> str:
+    r"""`text` on one line, control characters escaped (``\n``, ``\x1b``, ``\u2028``): an
+    argv element or env value with a newline must not add lines to a header."""
+    return _CONTROLS.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"), text)
+
+
 class LaunchLog:
     """One launch's log file plus its ring, fed with raw chunks from the child's pipes.
 
@@ -282,7 +296,7 @@ class LaunchLog:
             self._fd = os.open(
                 path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o640
             )
-            head = "".join(f"# {self.redact(h)}\n" for h in header).encode()
+            head = "".join(f"# {escape_controls(self.redact(h))}\n" for h in header).encode()
             os.write(self._fd, head)
         except OSError as exc:
             raise LogUnwritable(f"{path}: {exc.strerror or exc}") from exc
@@ -371,7 +385,7 @@ class LaunchLog:
         for stream in list(self._partials):
             self.feed(b"\n", stream)
         if trailer:
-            self._write(f"# {trailer}\n".encode())
+            self._write(f"# {escape_controls(trailer)}\n".encode())
         with contextlib.suppress(OSError):
             os.close(self._fd)
         self.closed = True

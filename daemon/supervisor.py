@@ -60,7 +60,7 @@ from gpuwarden.daemon.gpu import GpuBackend, GpuSnapshot, busy_gpus, describe_bu
 from gpuwarden.daemon.health import HttpProber, Prober
 from gpuwarden.daemon.policy import NOT_RETRIED, Classification, backoff_delay, classify_exit
 from gpuwarden.daemon.preflight import Preflight, PreflightResult
-from gpuwarden.daemon.redact import Redactor, secret_values
+from gpuwarden.daemon.redact import Redactor
 from gpuwarden.daemon.serverlog import (
     Finding,
     LaunchLog,
@@ -1076,7 +1076,7 @@ class Supervisor:
     async def _launch_now(self, launch: Launch) -> None:
         cfg = launch.config
         launch.launch_id = self._new_launch_id()
-        launch.redactor = Redactor(secret_values(cfg.argv, cfg.env))
+        launch.redactor = Redactor(cfg.secret_values())
         path = self.settings.log_dir / cfg.name / f"{launch.launch_id}.log"
         header = [
             f"gpuwarden launch {launch.launch_id} at {utc_iso(self.clock.time())}",
@@ -1097,7 +1097,7 @@ class Supervisor:
             )
             return
         self._write_health("launch_log", None)  # a new file, written: any earlier gap is over
-        env = {**os.environ, **cfg.env}
+        env = cfg.process_env(os.environ)
         try:
             child = await childmod.spawn(
                 cfg.argv, env, launch.launch_id, launch.log.feed, token=launch.token
@@ -1791,7 +1791,7 @@ class Supervisor:
         if config:
             with contextlib.suppress(ConfigError):
                 cfg = self.configs.load(config)
-                redactor.add(secret_values(cfg.argv, cfg.env))
+                redactor.add(cfg.secret_values())
         if self.launch is not None:
             redactor.add(self.launch.redactor._secrets)
         return redactor

@@ -14,7 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from gpuwarden.daemon.chat import matches_trigger
+from gpuwarden.daemon.chat import mark, matches_trigger
+from gpuwarden.daemon.serverlog import parse_line
+from gpuwarden.standin import cli as standin_cli
+from gpuwarden.standin.server import server_args_repr
 
 from .daemon_harness import Daemon, standin_config, start_daemon
 
@@ -63,6 +66,27 @@ def test_triggers_ignore_case_and_punctuation() -> None:
     assert matches_trigger("the server is down?", triggers) == "server is down"
     assert matches_trigger("my server crashedx", triggers) is None
     assert matches_trigger("how are you", triggers) is None
+
+
+def test_the_server_args_line_is_not_marked_as_an_error() -> None:
+    # The stand-in's own server_args line, with values that mention failures.
+    args, _ = standin_cli.parse(
+        ["--model-path", "/models/NCCL-error-Exception", "--served-model-name", "OOM-Traceback"]
+    )
+    line = f"[2025-06-26 07:25:31] server_args={server_args_repr(args)}"
+    assert all(word in line for word in ("rror", "xception", "NCCL", "atchdog", "Traceback"))
+    assert parse_line(line).findings == []
+    assert mark(line) == f"  {line}"
+    for failure in (
+        "[2025-06-26 07:25:32 TP0] Scheduler hit an exception: Traceback (most recent call last):",
+        "Traceback (most recent call last):",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+        "[2025-06-26 07:25:33] Received sigquit from a child process. It usually means the child "
+        "failed.",
+        "sglang serve: error: unrecognized arguments: --tp-szie 2",
+    ):
+        assert mark(failure).startswith("! "), failure
+    assert mark('  File "/x/scheduler.py", line 3, in run').startswith("  ")
 
 
 def crashed(procs, tmp_path: Path, fake_gpu: Path, **settings: Any) -> Daemon:  # type: ignore[no-untyped-def]

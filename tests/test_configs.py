@@ -150,6 +150,23 @@ def test_secrets_are_masked_in_the_view(tmp_path: Path) -> None:
     assert "--api-key" in view["argv"] and "***" in view["argv"]
 
 
+def test_env_null_unsets_the_variable_also_through_extends(tmp_path: Path) -> None:
+    s = store(
+        tmp_path,
+        {
+            "base": "env: {HF_HOME: /cache, GW_PARENT: p, PORT_HINT: 7}\n",
+            "child": "extends: base\nenv: {GW_PARENT: null, GW_INHERITED: null}\n",
+        },
+    )
+    cfg = s.load("child")
+    assert cfg.env == {"HF_HOME": "/cache", "PORT_HINT": "7"}
+    assert sorted(cfg.unset_env) == ["GW_INHERITED", "GW_PARENT"]
+    env = cfg.process_env({"GW_INHERITED": "from-daemon", "PATH": "/bin", "GW_PARENT": "d"})
+    assert env == {"PATH": "/bin", "HF_HOME": "/cache", "PORT_HINT": "7"}
+    assert cfg.view()["config"]["env"]["GW_PARENT"] is None  # shown as unset, not "None"
+    assert s.load("base").env["GW_PARENT"] == "p"
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.dictionaries(

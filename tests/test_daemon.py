@@ -184,3 +184,25 @@ def test_busy_port_for_the_daemon_exits_1_naming_it(procs, tmp_path: Path, fake_
         procs.append(proc)
         assert proc.wait(20) == 1
         assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in proc.text("stderr")
+
+
+def test_env_null_removes_the_variable_from_the_server_even_from_the_daemon_env(
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:  # type: ignore[no-untyped-def]
+    base = standin_config(env={"GW_FROM_PARENT": "parent-value", "GW_KEPT": "kept"})
+    child = {"extends": "base", "env": {"GW_FROM_PARENT": None, "GW_FROM_DAEMON": None}}
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"base": base, "child": child},
+        default="child",
+        env={"GW_FROM_DAEMON": "daemon-value", "GW_FROM_PARENT": "daemon-too"},
+    )
+    d.wait_state("ready")
+    pid = d.status()["pid"]
+    environ = psutil.Process(pid).environ()
+    assert environ["GW_KEPT"] == "kept"
+    assert "GW_FROM_PARENT" not in environ and "GW_FROM_DAEMON" not in environ
+    header = Path(d.status()["log_file"]).read_text().splitlines()
+    assert any("unset: " in line and "GW_FROM_DAEMON" in line for line in header[:5])

@@ -4,6 +4,8 @@ Dockerfile passes hadolint (anything it would report is explained and ignored in
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import signal
 import socket
@@ -14,11 +16,57 @@ from pathlib import Path
 
 import pytest
 
+from gpuwarden.daemon.configs import ConfigStore
+from gpuwarden.daemon.settings import load_settings
+
 from .conftest import PY, Proc
 from .daemon_harness import write_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIT = ROOT / "systemd" / "gpuwarden.service"
+
+
+def _systemd_section_commands() -> list[list[str]]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Running under systemd", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    commands = []
+    for line in block.splitlines():
+        for part in line.split("#", 1)[0].split("&&"):
+            words = shlex.split(part)
+            if words and words[0] == "sudo":
+                words = words[1:]
+            if words:
+                commands.append(words)
+    return commands
+
+
+def test_the_readme_installs_only_files_the_repository_has() -> None:
+    copied = []
+    for words in _systemd_section_commands():
+        if words[0] in ("cp", "install") and "-d" not in words:
+            copied += [w for w in words[1:-1] if not w.startswith("-")]
+        if words[0].endswith("pip") and "install" in words:
+            assert (ROOT / words[-1] / "pyproject.toml").exists(), words
+    assert copied and all(not c.startswith("/") for c in copied), copied
+    for source in copied:
+        assert list(ROOT.glob(source)), f"the README copies {source}, which the repository lacks"
+    # The unit points at the README where the steps put it, and runs the settings they copy.
+    unit = UNIT.read_text()
+    doc = re.search(r"^Documentation=file://(\S+)$", unit, re.M)
+    assert doc and any(
+        w[0] == "cp" and "README.md" in w and doc.group(1).startswith(w[-1].rstrip("/"))
+        for w in _systemd_section_commands()
+    )
+    assert "--settings /etc/gpuwarden/settings.yaml" in unit
+
+
+def test_the_example_settings_and_config_load() -> None:
+    settings = load_settings(ROOT / "systemd" / "settings.yaml")
+    assert settings.configs_dir == ROOT / "systemd" / "configs"
+    assert settings.default_config is not None
+    cfg = ConfigStore(settings.configs_dir).load(settings.default_config)
+    assert cfg.argv[:3] == ["python3", "-m", "sglang.launch_server"]
 
 
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:

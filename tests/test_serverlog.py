@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuwarden.daemon.configs import ConfigStore, redacted_header_lines
 from gpuwarden.daemon.serverlog import (
     LaunchLog,
     LogUnwritable,
@@ -110,3 +112,29 @@ def test_retention_keeps_the_protected_launches(tmp_path: Path) -> None:
     assert len(removed) == 3
     assert left == ["20260101T000000-000000", "20260101T000004-000004", "20260101T000005-000005"]
     assert read_tail(tmp_path / "cfg" / "20260101T000005-000005.log", 5) == ["x" * 100]
+
+
+def test_control_characters_in_argv_cannot_add_header_lines(tmp_path: Path) -> None:
+    forged = "m\n# argv: forged --api-key none\r\x1b[2K\u2028# env overrides: forged"
+    (tmp_path / "c.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "command": ["server"],
+                "args": {"served-model-name": forged},
+                "env": {"NOTE": "a\nb"},
+                "preflight": {"argv": False},
+            }
+        )
+    )
+    header = ["gpuwarden launch x", *redacted_header_lines(ConfigStore(tmp_path).load("c"))]
+    log = LaunchLog(tmp_path / "x.log", header)
+    log.feed(b"first server line\n")
+    log.close("ended\nforged trailer")
+    lines = (tmp_path / "x.log").read_text().splitlines()
+    assert len(lines) == len(header) + 2
+    assert [line for line in lines if line.startswith("# argv: ")] == [
+        "# argv: server --served-model-name "
+        "m\\n# argv: forged --api-key none\\r\\x1b[2K\\u2028# env overrides: forged"
+    ]
+    assert "# env overrides: NOTE=a\\nb" in lines
+    assert lines[-2:] == ["first server line", "# ended\\nforged trailer"]
