@@ -1,13 +1,16 @@
-"""`/healthz` (the daemon itself) and `/status` (the server as the supervisor sees it)."""
+"""`/healthz` (the daemon itself), `/readyz` (the server serves) and `/status` (the server as the
+supervisor sees it)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 
 from gpuwarden.api.deps import SupervisorDep
 from gpuwarden.api.models import errors
+from gpuwarden.daemon.states import ServerState
 
 router = APIRouter(tags=["status"])
 public = APIRouter(tags=["status"])
@@ -16,6 +19,20 @@ public = APIRouter(tags=["status"])
 @public.get("/healthz", summary="The daemon is alive (no auth)")
 async def healthz() -> dict[str, Any]:
     return {"ok": True}
+
+
+@public.get(
+    "/readyz",
+    summary="200 while the server is ready, else 503 (no auth)",
+    responses=errors(503),
+)
+async def readyz(supervisor: SupervisorDep) -> Any:
+    state = supervisor.state
+    if state == ServerState.READY:
+        return {"ok": True, "state": str(state)}
+    return JSONResponse(
+        {"error": "not_ready", "detail": f"the server is {state}", "state": str(state)}, 503
+    )
 
 
 @router.get(

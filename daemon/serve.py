@@ -20,6 +20,7 @@ import structlog
 import uvicorn
 
 from gpuwarden.api.app import create_app
+from gpuwarden.api.guard import is_loopback
 from gpuwarden.daemon import child as childmod
 from gpuwarden.daemon import logsetup
 from gpuwarden.daemon.gpu import make_backend
@@ -144,6 +145,13 @@ async def serve(settings: Settings) -> int:
     log.info(
         "api.listening", host=bound_host, port=bound_port, url=f"http://{bound_host}:{bound_port}"
     )
+    if app.state.token is None and not is_loopback(bound_host):
+        log.warning(
+            "api.unauthenticated",
+            host=bound_host,
+            detail="listening beyond loopback without token_file: whoever reaches this port "
+            "can stop, start and swap the server",
+        )
     # systemd: ready once the control plane listens (the server may still be loading: /status
     # says so); STATUS follows the server; WATCHDOG=1 comes from this loop, so a stuck loop is
     # restarted by systemd.
