@@ -112,12 +112,15 @@ async def serve(settings: Settings) -> int:
         return 1
     supervisor = Supervisor(settings, gpu)
     app = create_app(supervisor, settings)
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(
+        logsetup.loop_exception_handler(logsetup.Repeats(loop, settings.log_repeat_window_s))
+    )
     server = _Server(
         uvicorn.Config(
             app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=2
         )
     )
-    loop = asyncio.get_running_loop()
     use_pidfd_watcher(loop)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -96,6 +96,7 @@ class Settings(BaseSettings):
     # Host names accepted besides loopback names and the listen address
     allowed_hosts: list[str] = []
     http: HttpLimits = Field(default_factory=HttpLimits)  # type: ignore[arg-type]
+    log_repeat_window_s: float = Field(60.0, gt=0)
 
     @field_validator("listen")
     @classmethod

@@ -1,10 +1,14 @@
 """The control plane's outside edge over real sockets: Host and Origin, auth before the body,
-bounded bodies."""
+bounded bodies, and a log that a flood of one error cannot fill."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import resource
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -12,6 +16,7 @@ import pytest
 
 from gpuwarden.daemon.settings import Settings
 
+from .conftest import wait_until
 from .daemon_harness import Daemon, start_daemon
 from .test_api import two_configs
 
@@ -293,3 +298,46 @@ def test_a_chunked_body_past_the_limit_gets_413(procs, tmp_path: Path, fake_gpu:
     assert res.status_code == 200, res.text
     assert d.http.post("/chat", data={**form, "token": "wrong"}).status_code == 401
     assert d.proc.popen.poll() is None
+
+
+def served_once(d: Daemon) -> bool:
+    with connect(d) as sock:
+        sock.sendall(request_head("GET", "/healthz", d))
+        return read_response(sock)[0] == 200
+
+
+@contextlib.contextmanager
+def descriptors_short(d: Daemon, spare: int) -> Iterator[None]:
+    """The daemon's descriptor limit set just above what it holds now."""
+    pid = d.proc.pid
+    before = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    held = len(os.listdir(f"/proc/{pid}/fd"))
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (held + spare, before[1]))
+    try:
+        yield
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, before)
+
+
+def flood(d: Daemon, n: int) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for _ in range(n):
+        stack.enter_context(connect(d))
+    return stack
+
+
+def test_a_flood_of_one_loop_error_is_logged_once_and_counted(
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, log_repeat_window_s=2.5)
+    mark = d.mark()
+    with descriptors_short(d, spare=8), flood(d, 40):
+        summary = d.wait_event("log.repeated", after=mark, timeout=20)
+    assert "out of system resource" in summary["kind"] and summary["count"] >= 1
+    full = [
+        line
+        for _, line in d.proc.lines[mark : summary["_index"]]
+        if "out of system resource" in line
+    ]
+    assert len(full) == 1, [line[:200] for line in full]
+    wait_until(lambda: served_once(d), 10, "the daemon to answer again")
