@@ -20,6 +20,7 @@ import structlog
 import uvicorn
 
 from gpuwarden.api.app import create_app
+from gpuwarden.api.connections import guarded_h11
 from gpuwarden.api.guard import is_loopback
 from gpuwarden.daemon import child as childmod
 from gpuwarden.daemon import logsetup
@@ -113,12 +114,20 @@ async def serve(settings: Settings) -> int:
     supervisor = Supervisor(settings, gpu)
     app = create_app(supervisor, settings)
     loop = asyncio.get_running_loop()
-    loop.set_exception_handler(
-        logsetup.loop_exception_handler(logsetup.Repeats(loop, settings.log_repeat_window_s))
-    )
+    repeats = logsetup.Repeats(loop, settings.log_repeat_window_s)
+    loop.set_exception_handler(logsetup.loop_exception_handler(repeats))
     server = _Server(
         uvicorn.Config(
-            app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=2
+            app,
+            http=guarded_h11(settings.http, repeats),
+            # Also how many connections one wake-up accepts, each a descriptor before the cap
+            # can refuse it: uvicorn's 2048 could take a whole descriptor limit at once.
+            backlog=128,
+            ws="none",  # no websocket routes: an upgrade would take a connection off its timers
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
         )
     )
     use_pidfd_watcher(loop)

@@ -75,6 +75,10 @@ class HttpLimits(_Strict):
     """Bounds on the control plane's connections: a slow or greedy client costs little."""
 
     max_body_bytes: int = Field(1024**2, ge=1)
+    header_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    keep_alive_s: float = Field(15.0, gt=0)
+    max_connections: int = Field(256, ge=1)
 
 
 class Settings(BaseSettings):

@@ -1,5 +1,6 @@
 """The control plane's outside edge over real sockets: Host and Origin, auth before the body,
-bounded bodies, and a log that a flood of one error cannot fill."""
+bounded bodies, slow and idle connections, the connection cap, and a log that a flood of one
+error cannot fill."""
 
 from __future__ import annotations
 
@@ -8,16 +9,18 @@ import json
 import os
 import resource
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 from gpuwarden.daemon.settings import Settings
 
 from .conftest import wait_until
-from .daemon_harness import Daemon, start_daemon
+from .daemon_harness import Daemon, standin_config, start_daemon
 from .test_api import two_configs
 
 TOKEN = "s3cret-token"
@@ -329,7 +332,15 @@ def flood(d: Daemon, n: int) -> contextlib.ExitStack:
 def test_a_flood_of_one_loop_error_is_logged_once_and_counted(
     procs, tmp_path: Path, fake_gpu: Path
 ) -> None:  # type: ignore[no-untyped-def]
-    d = start_daemon(procs, tmp_path, fake_gpu, {}, log_repeat_window_s=2.5)
+    # The cap above the descriptor limit, so that accept() itself runs out.
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {},
+        http={"max_connections": 1000, "header_timeout_s": 60},
+        log_repeat_window_s=2.5,
+    )
     mark = d.mark()
     with descriptors_short(d, spare=8), flood(d, 40):
         summary = d.wait_event("log.repeated", after=mark, timeout=20)
@@ -341,3 +352,88 @@ def test_a_flood_of_one_loop_error_is_logged_once_and_counted(
     ]
     assert len(full) == 1, [line[:200] for line in full]
     wait_until(lambda: served_once(d), 10, "the daemon to answer again")
+
+
+def test_slow_headers_are_cut_off(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, http={"header_timeout_s": 0.3})
+    with connect(d) as sock:  # connects and says nothing
+        status, _, body = read_response(sock)
+        assert status == 408 and error_of(body) == "timeout"
+        closed_by_server(sock)
+    with connect(d) as sock:  # half the headers
+        sock.sendall(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        assert b" 408 " in closed_by_server(sock)
+    with connect(d) as sock:  # a byte at a time: the deadline is for the whole head
+        closed = False
+        for byte in b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"y" * 200:
+            try:
+                sock.sendall(bytes([byte]))
+                time.sleep(0.05)  # the drip itself is the test's subject
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+        assert closed or closed_by_server(sock) is not None
+    assert d.http.get("/healthz").status_code == 200
+
+
+def test_a_slow_body_is_cut_off(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, http={"body_timeout_s": 0.3})
+    with connect(d) as sock:
+        sock.sendall(
+            request_head("POST", "/chat", d, Content_Length="100", Content_Type="application/json")
+            + b'{"text": '
+        )
+        assert closed_by_server(sock) == b""
+    record = d.wait_event("api.connection_timed_out", phase="body")
+    assert record["client"].startswith("127.0.0.1:")
+
+
+def test_an_idle_keep_alive_connection_is_closed(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, http={"keep_alive_s": 0.3})
+    with connect(d, timeout=3) as sock:  # uvicorn's own keep-alive is 5 s
+        sock.sendall(request_head("GET", "/healthz", d))
+        status, _, _ = read_response(sock)
+        assert status == 200
+        sock.sendall(request_head("GET", "/healthz", d))  # kept alive between requests
+        status, _, _ = read_response(sock)
+        assert status == 200
+        assert closed_by_server(sock) == b""
+
+
+def test_streams_and_long_waits_outlive_every_timeout(
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:  # type: ignore[no-untyped-def]
+    configs = two_configs(slow=standin_config(scale=0.2))
+    short = {"header_timeout_s": 0.2, "body_timeout_s": 0.2, "keep_alive_s": 0.2}
+    d = start_daemon(procs, tmp_path, fake_gpu, configs, default="good", http=short)
+    d.wait_state("ready")
+    with httpx.stream("GET", f"{d.url}/logs/stream", timeout=60) as stream:
+        lines = stream.iter_lines()
+        mark = d.mark()
+        # The swap's loading takes longer than every timeout above; the answer still comes.
+        res = d.http.post("/restart", params={"config": "slow", "wait": "true"})
+        assert res.status_code == 200 and res.json()["outcome"] == "ready"
+        launch = d.wait_event("server.launch", after=mark, config="slow")
+        for raw in lines:  # the stream outlived it and carries the new launch's lines
+            if raw.startswith("data: ") and "fired up and ready" in raw:
+                break
+    assert launch["launch_id"]
+
+
+def test_connections_beyond_the_cap_are_refused_at_once(
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, http={"max_connections": 4, "keep_alive_s": 60})
+    with contextlib.ExitStack() as held:
+        for _ in range(4):  # each served once, then held open (keep-alive)
+            sock = held.enter_context(connect(d))
+            sock.sendall(request_head("GET", "/healthz", d))
+            assert read_response(sock)[0] == 200
+        with connect(d) as extra:
+            status, headers, body = read_response(extra)  # before it sent a thing
+            assert status == 503 and error_of(body) == "busy"
+            assert headers["connection"] == "close"
+            closed_by_server(extra)
+        d.wait_event("api.connection_refused", max_connections=4)
+    # The held ones are closed: room again.
+    wait_until(lambda: served_once(d), 10, "a connection to be served again")
