@@ -23,7 +23,9 @@ from gpuwarden.api import (
     routes_status,
     routes_sweeps,
 )
-from gpuwarden.api.auth import read_token, require_token
+from gpuwarden.api.auth import bearer, read_token
+from gpuwarden.api.guard import Guard, policy_for
+from gpuwarden.api.models import errors
 from gpuwarden.daemon.settings import Settings
 from gpuwarden.daemon.supervisor import CommandError, Supervisor
 from gpuwarden.daemon.sweep import SweepManager
@@ -40,10 +42,15 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
     app.state.token = read_token(settings.token_file)
     app.state.metrics = routes_events.metrics_registry(supervisor)
     app.state.sweeps = SweepManager(supervisor)
-    # With no token_file there is no auth, and the OpenAPI says so (no bearer scheme).
-    guarded = [Depends(require_token)] if app.state.token is not None else []
-    app.include_router(routes_status.public)
-    app.include_router(routes_chat.public)  # its own auth: bearer or verification token
+    # The guard checks Host, Origin, the token and the body's size before any body is read.
+    app.add_middleware(Guard, policy=policy_for(settings, app.state.token))
+    # The bearer dependency only declares the scheme in the OpenAPI (the guard enforces it);
+    # with no token_file there is no auth, and the OpenAPI says so.
+    guarded = [Depends(bearer)] if app.state.token is not None else []
+    app.include_router(routes_status.public, responses=errors(413))
+    # /chat may authenticate from its body (a form's verification token): the guard lets it
+    # through without a bearer, its body bounded, and the route decides.
+    app.include_router(routes_chat.public, responses=errors(403, 413))
     for module in (
         routes_status,
         routes_control,
@@ -53,7 +60,7 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
         routes_chat,
         routes_sweeps,
     ):
-        app.include_router(module.router, dependencies=guarded)
+        app.include_router(module.router, dependencies=guarded, responses=errors(403, 413))
 
     @app.exception_handler(CommandError)
     async def command_error(request: Request, exc: CommandError) -> JSONResponse:

@@ -1,13 +1,15 @@
-"""Bearer-token auth: with `token_file` set, every route but /healthz needs the token."""
+"""Bearer-token auth: with `token_file` set, every route but the probes needs the token.
+
+The guard (api/guard.py) enforces it before any body is read; `bearer` only declares the scheme
+in the OpenAPI.
+"""
 
 from __future__ import annotations
 
 import hmac
 from pathlib import Path
-from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 
 from gpuwarden.daemon.safefile import read_regular_text
 
@@ -26,18 +28,3 @@ def read_token(path: Path | None) -> str | None:
 
 def token_matches(expected: str, given: str | None) -> bool:
     return given is not None and hmac.compare_digest(expected.encode(), given.encode())
-
-
-async def require_token(
-    request: Request,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
-) -> None:
-    expected: str | None = request.app.state.token
-    if expected is None:
-        return
-    if credentials is None or not token_matches(expected, credentials.credentials):
-        raise HTTPException(
-            status_code=401,
-            detail="missing or wrong bearer token (Authorization: Bearer <token>)",
-            headers={"WWW-Authenticate": "Bearer"},
-        )

@@ -39,10 +39,13 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     words = {
         400: "bad input",
         401: "no or bad token",
+        403: "a Host or Origin that is not this daemon's",
         404: "unknown config",
         405: "wrong method",
         409: "a conflicting operation is under way",
+        413: "the request body is too large",
         422: "invalid config or request",
+        503: "not ready",
     }
     # The explicit JSON content: on a text route FastAPI would declare the model as text/plain.
     return {

@@ -1,4 +1,5 @@
-"""`/healthz` (the daemon itself) and `/status` (the server as the supervisor sees it)."""
+"""`/healthz` (the daemon itself), `/readyz` (the server serves) and `/status` (the server as the
+supervisor sees it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from gpuwarden.api.deps import SupervisorDep
 from gpuwarden.api.models import errors
+from gpuwarden.daemon.states import ServerState
 
 router = APIRouter(tags=["status"])
 public = APIRouter(tags=["status"])
@@ -24,6 +26,20 @@ async def healthz(supervisor: SupervisorDep) -> Any:
     if stuck is not None:
         return JSONResponse({"ok": False, "detail": stuck}, status_code=503)
     return {"ok": True}
+
+
+@public.get(
+    "/readyz",
+    summary="200 while the server is ready, else 503 (no auth)",
+    responses=errors(503),
+)
+async def readyz(supervisor: SupervisorDep) -> Any:
+    state = supervisor.state
+    if state == ServerState.READY:
+        return {"ok": True, "state": str(state)}
+    return JSONResponse(
+        {"error": "not_ready", "detail": f"the server is {state}", "state": str(state)}, 503
+    )
 
 
 @router.get(

@@ -21,6 +21,8 @@ import structlog
 import uvicorn
 
 from gpuwarden.api.app import create_app
+from gpuwarden.api.connections import guarded_h11
+from gpuwarden.api.guard import is_loopback
 from gpuwarden.daemon import child as childmod
 from gpuwarden.daemon import logsetup
 from gpuwarden.daemon.gpu import make_backend
@@ -116,12 +118,23 @@ async def serve(settings: Settings, on_listening: Callable[[str, int], None] | N
         return 1
     supervisor = Supervisor(settings, gpu)
     app = create_app(supervisor, settings)
+    loop = asyncio.get_running_loop()
+    repeats = logsetup.Repeats(loop, settings.log_repeat_window_s)
+    loop.set_exception_handler(logsetup.loop_exception_handler(repeats))
     server = _Server(
         uvicorn.Config(
-            app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=2
+            app,
+            http=guarded_h11(settings.http, repeats),
+            # Also how many connections one wake-up accepts, each a descriptor before the cap
+            # can refuse it: uvicorn's 2048 could take a whole descriptor limit at once.
+            backlog=128,
+            ws="none",  # no websocket routes: an upgrade would take a connection off its timers
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
         )
     )
-    loop = asyncio.get_running_loop()
     use_pidfd_watcher(loop)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -151,6 +164,13 @@ async def serve(settings: Settings, on_listening: Callable[[str, int], None] | N
     )
     if on_listening is not None:
         on_listening(bound_host, bound_port)
+    if app.state.token is None and not is_loopback(bound_host):
+        log.warning(
+            "api.unauthenticated",
+            host=bound_host,
+            detail="listening beyond loopback without token_file: whoever reaches this port "
+            "can stop, start and swap the server",
+        )
     # systemd: ready once the control plane listens (the server may still be loading: /status
     # says so); STATUS follows the server; WATCHDOG=1 comes from this loop, so a stuck loop is
     # restarted by systemd.

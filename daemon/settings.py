@@ -7,6 +7,7 @@ folder (the working directory without a file).
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,6 +75,16 @@ class ChatSettings(_Strict):
         return value
 
 
+class HttpLimits(_Strict):
+    """Bounds on the control plane's connections: a slow or greedy client costs little."""
+
+    max_body_bytes: int = Field(1024**2, ge=1)
+    header_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    keep_alive_s: float = Field(15.0, gt=0)
+    max_connections: int = Field(256, ge=1)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="GPUWARDEN_", env_nested_delimiter="__", extra="forbid"
@@ -90,12 +101,34 @@ class Settings(BaseSettings):
     stop: StopPolicy = Field(default_factory=StopPolicy)  # type: ignore[arg-type]
     gpu: GpuSettings = Field(default_factory=GpuSettings)  # type: ignore[arg-type]
     chat: ChatSettings = Field(default_factory=ChatSettings)
+    # Host names accepted besides loopback names and the listen address
+    allowed_hosts: list[str] = []
+    http: HttpLimits = Field(default_factory=HttpLimits)  # type: ignore[arg-type]
+    log_repeat_window_s: float = Field(60.0, gt=0)
 
     @field_validator("listen")
     @classmethod
     def _check_listen(cls, value: str) -> str:
         parse_listen(value)
         return value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _check_hosts(cls, value: list[str]) -> list[str]:
+        hosts = []
+        for host in value:
+            name = host.strip().strip("[]").rstrip(".").lower()
+            if not name or any(c in name for c in "/@ ?#") or name.count("*") > 1:
+                raise ValueError(f"not a host name: {host!r} (a name or address, no scheme)")
+            if "*" in name and not (name == "*" or name.startswith("*.")):
+                raise ValueError(f"a wildcard must be '*' or lead: '*.example.com', got {host!r}")
+            if ":" in name:  # an IPv6 address, or a name with a port (the port is not compared)
+                try:
+                    ipaddress.IPv6Address(name)
+                except ValueError:
+                    raise ValueError(f"a host name without a port, got {host!r}") from None
+            hosts.append(name)
+        return hosts
 
     @classmethod
     def settings_customise_sources(

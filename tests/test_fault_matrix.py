@@ -12,11 +12,15 @@ import contextlib
 import json
 import os
 import resource
+import select
 import signal
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,15 @@ import pytest
 
 from .conftest import PY, Proc, alive, wait_until
 from .daemon_harness import Daemon, standin_config, start_daemon, write_setup
+from .test_guard import (
+    TOKEN,
+    connect,
+    descriptors_short,
+    read_response,
+    request_head,
+    send_chunks_until_answered,
+    with_token,
+)
 
 ROWS: list[tuple[str, list[str], dict[str, Any], str, str]] = [
     # id, flags, config fields, reason, a line the log file must keep
@@ -68,7 +81,146 @@ ROWS: list[tuple[str, list[str], dict[str, Any], str, str]] = [
         "crash",
         "flood done: 50000 lines",
     ),
+    # The control plane abused from the daemon's start to the row's end (ABUSE, below).
+    ("crash_under_slowloris", ["--standin-crash-after=0.3"], {}, "crash", "illegal memory access"),
+    (
+        "crash_under_huge_bodies",
+        ["--standin-crash-after=0.3"],
+        {},
+        "crash",
+        "illegal memory access",
+    ),
+    (
+        "crash_with_few_descriptors",
+        ["--standin-crash-after=0.3"],
+        {},
+        "crash",
+        "illegal memory access",
+    ),
 ]
+
+
+class Clients(threading.Thread):
+    """A misbehaving client, round after round until stopped; counts what it got back."""
+
+    def __init__(self, round_: Callable[[Counter[str]], None]) -> None:
+        super().__init__(daemon=True)
+        self.round, self.seen, self.halt = round_, Counter[str](), threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            try:
+                self.round(self.seen)
+            except OSError as exc:  # the daemon cut us off: that is its right
+                self.seen[type(exc).__name__] += 1
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Counter[str]]:
+        self.start()
+        try:
+            yield self.seen
+        finally:
+            self.halt.set()
+            self.join(30)
+
+
+def slowloris(d: Daemon) -> contextlib.AbstractContextManager[None]:
+    """50 connections that never finish their headers, each replaced once the daemon cuts it."""
+    held: list[socket.socket] = []
+
+    def round_(seen: Counter[str]) -> None:
+        while len(held) < 50:
+            sock = connect(d)
+            sock.sendall(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            held.append(sock)
+        readable, _, _ = select.select(held, [], [], 0.1)
+        for sock in readable:
+            with contextlib.suppress(OSError):
+                seen["408" if b" 408 " in sock.recv(4096) else "closed"] += 1
+            sock.close()
+            held.remove(sock)
+
+    @contextlib.contextmanager
+    def during() -> Iterator[None]:
+        with Clients(round_).running() as seen:
+            yield
+            wait_until(lambda: seen["408"] >= 50, 20, "the daemon to cut off 50 slow clients")
+        for sock in held:
+            sock.close()
+
+    return during()
+
+
+def huge_bodies(d: Daemon) -> contextlib.AbstractContextManager[None]:
+    """1 GiB bodies announced without the token, and chunked ones past the limit with it."""
+
+    def round_(seen: Counter[str]) -> None:
+        with connect(d) as sock:
+            sock.sendall(request_head("POST", "/chat", d, Content_Length=str(2**30)))
+            seen[str(read_response(sock)[0])] += 1
+        with connect(d) as sock:
+            head = request_head(
+                "POST", "/sweeps", d, Transfer_Encoding="chunked", Authorization=f"Bearer {TOKEN}"
+            )
+            sock.sendall(head)
+            seen[str(send_chunks_until_answered(sock, 256 * 1024)[0])] += 1
+
+    @contextlib.contextmanager
+    def during() -> Iterator[None]:
+        rss0 = psutil.Process(d.proc.pid).memory_info().rss
+        with Clients(round_).running() as seen:
+            yield
+            wait_until(lambda: seen["401"] and seen["413"], 20, "a 401 and a 413")
+            rss1 = psutil.Process(d.proc.pid).memory_info().rss
+        assert set(seen) <= {"401", "413", "ConnectionResetError", "BrokenPipeError"}, seen
+        assert rss1 - rss0 < 64 * 2**20, (rss0, rss1)  # nothing of the bodies was kept
+
+    return during()
+
+
+def few_descriptors(d: Daemon) -> contextlib.AbstractContextManager[None]:
+    """Room for 64 more descriptors, and clients opening and holding 300 connections: the cap
+    refuses them, so the daemon keeps descriptors for its server, its logs and its state."""
+    held: list[socket.socket] = []
+
+    def round_(seen: Counter[str]) -> None:
+        if len(held) < 300:
+            held.append(connect(d))
+        readable, _, _ = select.select(held, [], [], 0.01)
+        for sock in readable:
+            with contextlib.suppress(OSError):
+                seen["busy" if b" 503 " in sock.recv(4096) else "closed"] += 1
+            sock.close()
+            held.remove(sock)
+
+    @contextlib.contextmanager
+    def during() -> Iterator[None]:
+        with descriptors_short(d, spare=64), Clients(round_).running() as seen:
+            yield
+            wait_until(lambda: seen["busy"] > 0, 20, "a connection refused at the cap")
+        for sock in held:
+            sock.close()
+
+    return during()
+
+
+@dataclass(frozen=True)
+class Abuse:
+    during: Callable[[Daemon], contextlib.AbstractContextManager[None]]
+    settings: Callable[[Path], dict[str, Any]] = field(default=lambda root: {})
+
+
+def token_and_small_bodies(root: Path) -> dict[str, Any]:
+    return {"token_file": with_token(root), "http": {"max_body_bytes": 256 * 1024}}
+
+
+ABUSE: dict[str, Abuse] = {
+    "crash_under_slowloris": Abuse(slowloris, lambda root: {"http": {"header_timeout_s": 0.5}}),
+    "crash_under_huge_bodies": Abuse(huge_bodies, token_and_small_bodies),
+    "crash_with_few_descriptors": Abuse(
+        few_descriptors, lambda root: {"http": {"max_connections": 8, "header_timeout_s": 1}}
+    ),
+}
 
 
 def check_nothing_lost(d: Daemon, root: Path, reason: str, line: str) -> None:
@@ -104,6 +256,7 @@ def test_stand_in_fault(
     reason: str,
     line: str,
 ) -> None:
+    abuse = ABUSE.get(row)
     d = start_daemon(
         procs,
         tmp_path,
@@ -111,11 +264,13 @@ def test_stand_in_fault(
         {"f": standin_config(*flags, **fields)},
         default="f",
         restart={"initial_delay_s": 0.05, "max_failures": 3},
+        **(abuse.settings(tmp_path) if abuse else {}),
     )
-    check_nothing_lost(d, tmp_path, reason, line)
-    if reason != "config_error":  # not retried blindly
-        ex = d.wait_event("server.exit", reason=reason, timeout=40)
-        d.wait_event("server.launch", after=ex["_index"], timeout=40)
+    with abuse.during(d) if abuse else contextlib.nullcontext():
+        check_nothing_lost(d, tmp_path, reason, line)
+        if reason != "config_error":  # not retried blindly
+            ex = d.wait_event("server.exit", reason=reason, timeout=40)
+            d.wait_event("server.launch", after=ex["_index"], timeout=40)
 
 
 def test_port_in_use(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]

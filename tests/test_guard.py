@@ -1,0 +1,439 @@
+"""The control plane's outside edge over real sockets: Host and Origin, auth before the body,
+bounded bodies, slow and idle connections, the connection cap, and a log that a flood of one
+error cannot fill."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from gpuwarden.daemon.settings import Settings
+
+from .conftest import wait_until
+from .daemon_harness import Daemon, standin_config, start_daemon
+from .test_api import two_configs
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def addr(d: Daemon) -> tuple[str, int]:
+    parts = urlsplit(d.url)
+    return "127.0.0.1", int(parts.port or 80)
+
+
+def connect(d: Daemon, timeout: float = 10) -> socket.socket:
+    sock = socket.create_connection(addr(d), timeout=timeout)
+    sock.settimeout(timeout)
+    return sock
+
+
+def request_head(method: str, path: str, d: Daemon, **headers: str) -> bytes:
+    host, port = addr(d)
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}"]
+    lines += [f"{k.replace('_', '-')}: {v}" for k, v in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One response: status, headers (lower-case names), body (by content-length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise AssertionError(f"closed before a whole response head: {data!r}")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}
+    length = int(headers.get("content-length", "0"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return int(status_line.split()[1]), headers, body[:length]
+
+
+def closed_by_server(sock: socket.socket) -> bytes:
+    """Read until the daemon closes the connection (the socket's timeout bounds the wait);
+    returns what came before the end."""
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    except TimeoutError as exc:
+        raise AssertionError(f"the daemon kept the connection open; got {data!r}") from exc
+    return data
+
+
+def error_of(body: bytes) -> str:
+    parsed = json.loads(body)
+    assert set(parsed) >= {"error", "detail"}, parsed
+    return str(parsed["error"])
+
+
+def with_token(root: Path) -> str:
+    (root / "token").write_text(TOKEN + "\n")
+    return "./token"
+
+
+# 7. Browsers on the host
+
+
+def test_a_foreign_host_is_refused_but_probes_answer(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        two_configs(),
+        allowed_hosts=["gpu-box.internal", "*.example.org"],
+    )
+    port = addr(d)[1]
+    for path in ("/status", "/dump", "/logs", "/docs", "/openapi.json", "/events"):
+        res = d.http.get(path, headers={"Host": f"evil.example:{port}"})
+        assert res.status_code == 403, path
+        assert res.json()["error"] == "forbidden" and "allowed_hosts" in res.json()["detail"]
+    assert d.http.post("/stop", headers={"Host": "attacker.test"}).status_code == 403
+    # DNS rebinding names the attacker's host; probes name the pod's address: both pass.
+    assert d.http.get("/healthz", headers={"Host": "10.1.2.3:8600"}).status_code == 200
+    assert d.http.get("/readyz", headers={"Host": "10.1.2.3:8600"}).status_code == 503
+    for host in (
+        f"localhost:{port}",
+        "LOCALHOST",
+        "127.0.0.2",
+        f"[::1]:{port}",
+        f"127.0.0.1:{port}",  # the listen address
+        "gpu-box.internal:8600",
+        "a.example.org",
+    ):
+        assert d.http.get("/status", headers={"Host": host}).status_code == 200, host
+    for host in ("example.org.attacker.test", "gpu-box.internal.attacker.test", "localhost.evil"):
+        assert d.http.get("/status", headers={"Host": host}).status_code == 403, host
+
+
+def test_cross_site_state_changes_are_refused(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, two_configs(), default="good")
+    d.wait_state("ready")
+    port = addr(d)[1]
+    pid = d.status()["pid"]
+    for headers in (
+        {"Origin": "http://evil.example"},
+        {"Origin": "null"},
+        {"Origin": f"http://localhost:{port + 1}"},  # another port is another origin
+        {"Origin": f"http://127.0.0.1.evil.example:{port}"},
+        {"Sec-Fetch-Site": "cross-site"},
+    ):
+        for method, path in (("POST", "/stop"), ("POST", "/restart"), ("POST", "/start")):
+            res = d.http.request(method, path, headers=headers)
+            assert res.status_code == 403, (headers, path)
+            assert error_of(res.content) == "forbidden"
+    assert (
+        d.http.delete("/sweeps/sweep-20260101T000000", headers={"Origin": "null"}).status_code
+        == 403
+    )
+    st = d.status()
+    assert st["state"] == "ready" and st["pid"] == pid and st["intent"]["running"] is True
+    # Reading is not refused for an Origin (the browser keeps the answer from the page).
+    assert d.http.get("/status", headers={"Origin": "http://evil.example"}).status_code == 200
+    # The daemon's own pages post with its own origin.
+    res = d.http.post("/stop", headers={"Origin": f"http://127.0.0.1:{port}"})
+    assert res.status_code == 202
+    d.wait_state("stopped")
+
+
+def test_docs_and_openapi_need_the_token_but_probes_do_not(
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, two_configs(), token_file=with_token(tmp_path))
+    for path in ("/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"):
+        res = d.http.get(path)
+        assert res.status_code == 401, path
+        assert res.json()["error"] == "unauthorized"
+        assert res.headers["www-authenticate"] == "Bearer"
+    assert d.http.get("/openapi.json", headers=AUTH).json()["components"]["securitySchemes"]
+    assert d.http.get("/docs", headers=AUTH).status_code == 200
+    assert d.http.get("/healthz").status_code == 200
+    assert d.http.get("/readyz").status_code == 503
+
+
+def test_readyz_is_200_only_while_ready(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, two_configs())
+    res = d.http.get("/readyz")
+    assert res.status_code == 503
+    assert res.json() == {
+        "error": "not_ready",
+        "detail": "the server is stopped",
+        "state": "stopped",
+    }
+    mark = d.mark()
+    assert d.http.post("/start", params={"config": "good"}).status_code == 202
+    d.wait_state("starting", after=mark)
+    assert d.http.get("/readyz").status_code in (503, 200)  # starting, or ready already
+    d.wait_state("ready", after=mark)
+    res = d.http.get("/readyz")
+    assert res.status_code == 200 and res.json()["state"] == "ready"
+    assert d.http.post("/stop").status_code == 202
+    d.wait_state("stopped", after=mark)
+    assert d.http.get("/readyz").status_code == 503
+
+
+def test_allowed_hosts_reject_what_is_not_a_host_name() -> None:
+    assert Settings(allowed_hosts=["GPU-Box.Internal.", "[fe80::1]", "*"]).allowed_hosts == [
+        "gpu-box.internal",
+        "fe80::1",
+        "*",
+    ]
+    for bad in ("http://gpu-box", "gpu-box:8600", "", "a.*.org", "user@host"):
+        with pytest.raises(ValueError, match="allowed_hosts"):
+            Settings(allowed_hosts=[bad])
+
+
+def test_listening_beyond_loopback_without_a_token_warns(
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, listen="0.0.0.0:0")
+    warning = d.wait_event("api.unauthenticated", timeout=10)
+    assert warning["level"] == "warning" and warning["host"] == "0.0.0.0"
+    assert "token_file" in warning["detail"]
+
+
+# 8. Bodies and connections are bounded, and auth comes first
+
+
+def test_auth_is_checked_before_the_body_is_read(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, token_file=with_token(tmp_path))
+    for path in ("/chat", "/sweeps"):
+        # 1 GiB announced, not a byte of it sent: the answer cannot wait for the body.
+        with connect(d) as sock:
+            sock.sendall(
+                request_head(
+                    "POST", path, d, Content_Length=str(2**30), Content_Type="application/json"
+                )
+            )
+            status, headers, body = read_response(sock)
+            assert status == 401 and error_of(body) == "unauthorized", path
+            assert headers["connection"] == "close"
+            closed_by_server(sock)
+        with connect(d) as sock:  # chunked: no length announced at all
+            sock.sendall(
+                request_head("POST", path, d, Transfer_Encoding="chunked")
+                + b"4000\r\n"
+                + b"x" * 0x4000
+            )
+            status, _, body = read_response(sock)
+            assert status == 401, path
+    with connect(d) as sock:  # with the token, an announced length past the limit: 413 at once
+        sock.sendall(
+            request_head(
+                "POST",
+                "/sweeps",
+                d,
+                Content_Length=str(2**30),
+                **{"Authorization": f"Bearer {TOKEN}"},
+            )
+        )
+        status, _, body = read_response(sock)
+        assert status == 413 and error_of(body) == "body_too_large"
+
+
+def send_chunks_until_answered(sock: socket.socket, limit: int) -> tuple[int, bytes]:
+    """Stream 16 KiB chunks (up to 4x the limit) until the daemon answers; then its answer."""
+    chunk = b"4000\r\n" + b"x" * 0x4000 + b"\r\n"
+    sock.settimeout(0.05)
+    for _ in range(4 * limit // 0x4000):
+        try:
+            sock.sendall(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        try:
+            if sock.recv(1, socket.MSG_PEEK):
+                break
+        except TimeoutError:
+            continue
+    sock.settimeout(10)
+    status, _, body = read_response(sock)
+    return status, body
+
+
+def test_a_chunked_body_past_the_limit_gets_413(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    limit = 64 * 1024
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {},
+        token_file=with_token(tmp_path),
+        chat={"verification_token": "slack-verify"},
+        http={"max_body_bytes": limit},
+    )
+    # /sweeps with the token; /chat without one (it may carry a verification token in its
+    # body, so it gets its body, but bounded like any other).
+    for path, headers in (("/sweeps", {"Authorization": f"Bearer {TOKEN}"}), ("/chat", {})):
+        with connect(d) as sock:
+            sock.sendall(
+                request_head(
+                    "POST",
+                    path,
+                    d,
+                    Transfer_Encoding="chunked",
+                    Content_Type="application/json",
+                    **headers,
+                )
+            )
+            status, body = send_chunks_until_answered(sock, limit)
+            assert status == 413 and error_of(body) == "body_too_large", path
+    # A body under the limit still works, and /chat's form token still authenticates.
+    form = {"text": "hello", "token": "slack-verify", "user_name": "ops"}
+    res = d.http.post("/chat", data=form)
+    assert res.status_code == 200, res.text
+    assert d.http.post("/chat", data={**form, "token": "wrong"}).status_code == 401
+    assert d.proc.popen.poll() is None
+
+
+def served_once(d: Daemon) -> bool:
+    with connect(d) as sock:
+        sock.sendall(request_head("GET", "/healthz", d))
+        return read_response(sock)[0] == 200
+
+
+@contextlib.contextmanager
+def descriptors_short(d: Daemon, spare: int) -> Iterator[None]:
+    """The daemon's descriptor limit set just above what it holds now."""
+    pid = d.proc.pid
+    before = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    held = len(os.listdir(f"/proc/{pid}/fd"))
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (held + spare, before[1]))
+    try:
+        yield
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, before)
+
+
+def flood(d: Daemon, n: int) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for _ in range(n):
+        stack.enter_context(connect(d))
+    return stack
+
+
+def test_a_flood_of_one_loop_error_is_logged_once_and_counted(
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:  # type: ignore[no-untyped-def]
+    # The cap above the descriptor limit, so that accept() itself runs out.
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {},
+        http={"max_connections": 1000, "header_timeout_s": 60},
+        log_repeat_window_s=2.5,
+    )
+    mark = d.mark()
+    with descriptors_short(d, spare=8), flood(d, 40):
+        summary = d.wait_event("log.repeated", after=mark, timeout=20)
+    assert "out of system resource" in summary["kind"] and summary["count"] >= 1
+    full = [
+        line
+        for _, line in d.proc.lines[mark : summary["_index"]]
+        if "out of system resource" in line
+    ]
+    assert len(full) == 1, [line[:200] for line in full]
+    wait_until(lambda: served_once(d), 10, "the daemon to answer again")
+
+
+def test_slow_headers_are_cut_off(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, http={"header_timeout_s": 0.3})
+    with connect(d) as sock:  # connects and says nothing
+        status, _, body = read_response(sock)
+        assert status == 408 and error_of(body) == "timeout"
+        closed_by_server(sock)
+    with connect(d) as sock:  # half the headers
+        sock.sendall(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        assert b" 408 " in closed_by_server(sock)
+    with connect(d) as sock:  # a byte at a time: the deadline is for the whole head
+        closed = False
+        for byte in b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"y" * 200:
+            try:
+                sock.sendall(bytes([byte]))
+                time.sleep(0.05)  # the drip itself is the test's subject
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+        assert closed or closed_by_server(sock) is not None
+    assert d.http.get("/healthz").status_code == 200
+
+
+def test_a_slow_body_is_cut_off(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, http={"body_timeout_s": 0.3})
+    with connect(d) as sock:
+        sock.sendall(
+            request_head("POST", "/chat", d, Content_Length="100", Content_Type="application/json")
+            + b'{"text": '
+        )
+        assert closed_by_server(sock) == b""
+    record = d.wait_event("api.connection_timed_out", phase="body")
+    assert record["client"].startswith("127.0.0.1:")
+
+
+def test_an_idle_keep_alive_connection_is_closed(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, http={"keep_alive_s": 0.3})
+    with connect(d, timeout=3) as sock:  # uvicorn's own keep-alive is 5 s
+        sock.sendall(request_head("GET", "/healthz", d))
+        status, _, _ = read_response(sock)
+        assert status == 200
+        sock.sendall(request_head("GET", "/healthz", d))  # kept alive between requests
+        status, _, _ = read_response(sock)
+        assert status == 200
+        assert closed_by_server(sock) == b""
+
+
+def test_streams_and_long_waits_outlive_every_timeout(
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:  # type: ignore[no-untyped-def]
+    configs = two_configs(slow=standin_config(scale=0.2))
+    short = {"header_timeout_s": 0.2, "body_timeout_s": 0.2, "keep_alive_s": 0.2}
+    d = start_daemon(procs, tmp_path, fake_gpu, configs, default="good", http=short)
+    d.wait_state("ready")
+    with httpx.stream("GET", f"{d.url}/logs/stream", timeout=60) as stream:
+        lines = stream.iter_lines()
+        mark = d.mark()
+        # The swap's loading takes longer than every timeout above; the answer still comes.
+        res = d.http.post("/restart", params={"config": "slow", "wait": "true"})
+        assert res.status_code == 200 and res.json()["outcome"] == "ready"
+        launch = d.wait_event("server.launch", after=mark, config="slow")
+        for raw in lines:  # the stream outlived it and carries the new launch's lines
+            if raw.startswith("data: ") and "fired up and ready" in raw:
+                break
+    assert launch["launch_id"]
+
+
+def test_connections_beyond_the_cap_are_refused_at_once(
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, http={"max_connections": 4, "keep_alive_s": 60})
+    with contextlib.ExitStack() as held:
+        for _ in range(4):  # each served once, then held open (keep-alive)
+            sock = held.enter_context(connect(d))
+            sock.sendall(request_head("GET", "/healthz", d))
+            assert read_response(sock)[0] == 200
+        with connect(d) as extra:
+            status, headers, body = read_response(extra)  # before it sent a thing
+            assert status == 503 and error_of(body) == "busy"
+            assert headers["connection"] == "close"
+            closed_by_server(extra)
+        d.wait_event("api.connection_refused", max_connections=4)
+    # The held ones are closed: room again.
+    wait_until(lambda: served_once(d), 10, "a connection to be served again")
