@@ -24,6 +24,7 @@ from gpuwarden.api import (
     routes_sweeps,
 )
 from gpuwarden.api.auth import read_token, require_token
+from gpuwarden.daemon.serverlog import LogFeed
 from gpuwarden.daemon.settings import Settings
 from gpuwarden.daemon.supervisor import CommandError, Supervisor
 from gpuwarden.daemon.sweep import SweepManager
@@ -38,7 +39,10 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
     app.state.supervisor = supervisor
     app.state.settings = settings
     app.state.token = read_token(settings.token_file)
-    app.state.metrics = routes_events.metrics_registry(supervisor)
+    # One listener on the capture path for every /logs/stream client: it only says "more".
+    app.state.log_feed = LogFeed()
+    supervisor.line_listeners.add(app.state.log_feed.notify)
+    app.state.metrics = routes_events.metrics_registry(supervisor, app.state.log_feed)
     app.state.sweeps = SweepManager(supervisor)
     # With no token_file there is no auth, and the OpenAPI says so (no bearer scheme).
     guarded = [Depends(require_token)] if app.state.token is not None else []

@@ -50,6 +50,12 @@ class GpuSettings(_Strict):
     busy_above_mib: int = Field(2048, ge=0)
 
 
+class LogStreamSettings(_Strict):
+    # A /logs/stream client whose socket takes nothing for this long is dropped.
+    send_timeout_s: float = Field(30.0, gt=0)
+    heartbeat_s: float = Field(15.0, gt=0)
+
+
 class Webhook(_Strict):
     url: str
     format: Literal["slack", "generic"] = "slack"
@@ -86,6 +92,7 @@ class Settings(BaseSettings):
     stop: StopPolicy = Field(default_factory=StopPolicy)  # type: ignore[arg-type]
     gpu: GpuSettings = Field(default_factory=GpuSettings)  # type: ignore[arg-type]
     chat: ChatSettings = Field(default_factory=ChatSettings)
+    log_stream: LogStreamSettings = Field(default_factory=LogStreamSettings)  # type: ignore[arg-type]
 
     @field_validator("listen")
     @classmethod
