@@ -26,6 +26,7 @@ from gpuwarden.api import (
 from gpuwarden.api.auth import bearer, read_token
 from gpuwarden.api.guard import Guard, policy_for
 from gpuwarden.api.models import errors
+from gpuwarden.daemon.serverlog import LogFeed
 from gpuwarden.daemon.settings import Settings
 from gpuwarden.daemon.supervisor import CommandError, Supervisor
 from gpuwarden.daemon.sweep import SweepManager
@@ -40,7 +41,10 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
     app.state.supervisor = supervisor
     app.state.settings = settings
     app.state.token = read_token(settings.token_file)
-    app.state.metrics = routes_events.metrics_registry(supervisor)
+    # One listener on the capture path for every /logs/stream client: it only says "more".
+    app.state.log_feed = LogFeed()
+    supervisor.line_listeners.add(app.state.log_feed.notify)
+    app.state.metrics = routes_events.metrics_registry(supervisor, app.state.log_feed)
     app.state.sweeps = SweepManager(supervisor)
     # The guard checks Host, Origin, the token and the body's size before any body is read.
     app.add_middleware(Guard, policy=policy_for(settings, app.state.token))

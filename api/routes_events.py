@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from gpuwarden.api.deps import SupervisorDep
 from gpuwarden.api.models import errors
+from gpuwarden.daemon.serverlog import LogFeed
 from gpuwarden.daemon.states import ServerState
 from gpuwarden.daemon.supervisor import Supervisor
 
@@ -40,8 +41,9 @@ async def events(
 class SupervisorCollector(Collector):
     """Reads the supervisor's state at scrape time; nothing is updated on the hot path."""
 
-    def __init__(self, supervisor: Supervisor) -> None:
+    def __init__(self, supervisor: Supervisor, feed: LogFeed | None = None) -> None:
         self.sup = supervisor
+        self.feed = feed
 
     def collect(self) -> Iterator[Metric]:
         sup = self.sup
@@ -84,6 +86,10 @@ class SupervisorCollector(Collector):
         yield GaugeMetricFamily(
             "gpuwarden_crash_loop", "1 while in a crash loop", value=1.0 if sup.crash_loop else 0.0
         )
+        if self.feed is not None:
+            yield GaugeMetricFamily(
+                "gpuwarden_log_streams", "/logs/stream clients open now", value=self.feed.readers
+            )
         status = sup.status()
         if status["uptime_s"] is not None:
             yield GaugeMetricFamily(
@@ -133,9 +139,9 @@ class SupervisorCollector(Collector):
         yield total
 
 
-def metrics_registry(supervisor: Supervisor) -> CollectorRegistry:
+def metrics_registry(supervisor: Supervisor, feed: LogFeed | None = None) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SupervisorCollector(supervisor))
+    registry.register(SupervisorCollector(supervisor, feed))
     return registry
 
 

@@ -6,17 +6,22 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import structlog
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette.event import ensure_bytes
+from sse_starlette.sse import EventSourceResponse, SendTimeoutError
+from starlette.types import Receive, Scope, Send
 
-from gpuwarden.api.deps import SupervisorDep
+from gpuwarden.api.deps import SettingsDep, SupervisorDep
 from gpuwarden.api.models import errors
-from gpuwarden.daemon.serverlog import read_tail
+from gpuwarden.daemon.serverlog import LogCursor, LogFeed, read_tail
 from gpuwarden.daemon.supervisor import CommandError, Supervisor
 
 router = APIRouter(tags=["logs"])
-STREAM_QUEUE = 2000  # lines buffered per stream client; beyond it the oldest are dropped
+log = structlog.get_logger("gpuwarden.api")
+BATCH_LINES = 256  # lines per send to a stream client: one write of at most a few hundred KiB
+SEP = "\r\n"  # sse-starlette's separator
 
 
 class LogTail(BaseModel):
@@ -102,33 +107,58 @@ def _path(p: str) -> Any:
 async def stream(
     request: Request,
     supervisor: SupervisorDep,
+    settings: SettingsDep,
     history: Annotated[int, Query(ge=0, le=10000)] = 0,
 ) -> EventSourceResponse:
-    queue: asyncio.Queue[str] = asyncio.Queue(maxsize=STREAM_QUEUE)
-    dropped = 0
+    feed: LogFeed = request.app.state.log_feed
+    cursor = LogCursor(lambda: supervisor.launch.log if supervisor.launch else None, history)
 
-    def listener(batch: list[str]) -> None:
-        nonlocal dropped
-        redactor = supervisor.current_redactor()
-        for line in batch:
-            if queue.full():  # a slow client loses its oldest lines, never slows the daemon
-                queue.get_nowait()
-                dropped += 1
-            queue.put_nowait(redactor.text(line))
-
-    async def events() -> AsyncIterator[dict[str, Any]]:
-        nonlocal dropped
-        for line in supervisor.ring_lines(history):
-            yield {"event": "line", "data": line}
-        supervisor.line_listeners.add(listener)
-        try:
+    async def events() -> AsyncIterator[bytes]:
+        with feed.reading():
             while True:
-                line = await queue.get()
-                if dropped:
-                    yield {"event": "dropped", "data": f"{dropped} lines dropped (slow reader)"}
-                    dropped = 0
-                yield {"event": "line", "data": line}
-        finally:
-            supervisor.line_listeners.discard(listener)
+                # After a disconnect uvicorn's send returns at once, so a reader with lines to
+                # send never waits on anything a cancellation could land on: ask, every batch.
+                if await request.is_disconnected():
+                    return
+                dropped, lines = cursor.read(BATCH_LINES)
+                if not dropped and not lines:
+                    await feed.wait()
+                    continue
+                yield encode(dropped, lines)
 
-    return EventSourceResponse(events(), ping=15)
+    return LogStreamResponse(
+        events(),
+        ping=settings.log_stream.heartbeat_s,
+        sep=SEP,
+        send_timeout=settings.log_stream.send_timeout_s,
+    )
+
+
+def encode(dropped: int, lines: list[str]) -> bytes:
+    """A batch as the events sse-starlette would write one by one (`event: line`, and
+    `event: dropped` before them when the reader fell behind the ring), for one send."""
+    out = []
+    if dropped:
+        out.append(f"event: dropped{SEP}data: {dropped} lines dropped (slow reader){SEP}{SEP}")
+    for line in lines:
+        if "\r" in line or "\n" in line:  # not from the ring (its lines are split and collapsed)
+            out.append(ensure_bytes({"event": "line", "data": line}, SEP).decode())
+        else:
+            out.append(f"event: line{SEP}data: {line}{SEP}{SEP}")
+    return "".join(out).encode()
+
+
+class LogStreamResponse(EventSourceResponse):
+    """A stream whose client stopped reading for `send_timeout` is ended, and said so in the
+    daemon's log: it would otherwise hold its socket buffers for as long as the client lives."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except* SendTimeoutError:
+            client = scope.get("client") or ("?", 0)
+            log.warning(
+                "api.log_stream_dropped",
+                client=f"{client[0]}:{client[1]}",
+                detail=f"the client read nothing for {self.send_timeout:g} s",
+            )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from gpuwarden.api.deps import SupervisorDep
@@ -47,5 +47,5 @@ async def readyz(supervisor: SupervisorDep) -> Any:
     summary="State, config, last exit, GPUs and server metrics",
     responses=errors(401),
 )
-async def status(supervisor: SupervisorDep) -> dict[str, Any]:
-    return supervisor.status()
+async def status(request: Request, supervisor: SupervisorDep) -> dict[str, Any]:
+    return {**supervisor.status(), "log_streams": request.app.state.log_feed.readers}

@@ -305,6 +305,10 @@ def _follow(args: argparse.Namespace) -> int:
                     print(text if event == "line" else f"({text})", flush=True)
     except httpx.ConnectError as exc:
         raise ClientError(f"cannot reach the daemon at {args.url}: {exc}") from exc
+    except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+        # The daemon ends a stream whose reader took nothing for log_stream.send_timeout_s,
+        # and every stream when it stops.
+        raise ClientError(f"the daemon ended the log stream: {exc}") from exc
     except KeyboardInterrupt:
         pass
     return 0

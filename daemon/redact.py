@@ -167,8 +167,13 @@ class Redactor:
         for secret in self._secrets:
             if secret in text:
                 text = text.replace(secret, MASK)
-        text = _INLINE.sub(self._mask_inline, text)
-        return _BEARER.sub(r"\1" + MASK, text)
+        # Each pattern needs a literal the line rarely has; a substring test is some 50 times
+        # cheaper than the scan (every streamed line is redacted, once per client).
+        if "=" in text:
+            text = _INLINE.sub(self._mask_inline, text)
+        if "bearer" in text.lower():
+            text = _BEARER.sub(r"\1" + MASK, text)
+        return text
 
     @staticmethod
     def _mask_inline(m: re.Match[str]) -> str:

@@ -8,12 +8,13 @@ line is cut and marked; the file keeps it whole) and so is the ring's total size
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -233,11 +234,110 @@ class Ring:
         return self.tail(max(0, self.seq - seq))
 
     @property
+    def first_seq(self) -> int:
+        """The sequence number of the oldest line held (`seq + 1` when empty)."""
+        return self._blocks[0][0] if self._blocks else self.seq + 1
+
+    def after(self, seq: int, limit: int) -> tuple[int, list[str]]:
+        """Up to `limit` consecutive lines after `seq`, oldest first, and how many lines
+        between `seq` and the first of them the ring no longer holds.
+
+        A reader keeps its own `seq` and calls this at its own pace; it costs the reader
+        O(its lines + the blocks it is behind), and nothing for the writer."""
+        if seq >= self.seq or limit <= 0 or not self._blocks:
+            return 0, []
+        blocks = self._blocks
+        want = seq + 1
+        # Readers are mostly at the head: find the block holding `want` from the newest side.
+        i = len(blocks) - 1
+        while i > 0 and blocks[i][0] > want:
+            i -= 1
+        first = blocks[i][0]
+        gap = max(0, first - want)
+        want = max(want, first)
+        out: list[str] = []
+        while i < len(blocks) and len(out) < limit:
+            start, _, lines, _ = blocks[i]
+            if start > want:
+                break  # a gap inside the ring: the next call reports it
+            out.extend(lines[want - start : want - start + limit - len(out)])
+            want = start + len(lines)
+            i += 1
+        return gap, out
+
+    @property
     def nbytes(self) -> int:
         return self._bytes
 
     def __len__(self) -> int:
         return self._count
+
+
+class LogFeed:
+    """What the capture path tells `/logs/stream` readers: that some ring has grown.
+
+    One wake-up shared by every reader, set once per chunk, whatever the number of readers:
+    each reader then pulls the lines it wants from the ring at its own pace and redacts only
+    what it sends, so a slow or vanished reader costs the capture path nothing. The event is
+    swapped for a fresh one on each set, so a reader that finds nothing new waits for the next
+    chunk, not for one it has already read.
+    """
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self._waiting = 0
+        self.readers = 0  # streams open now (for /status and /metrics)
+
+    def notify(self, lines: list[str] | None = None) -> None:
+        """Called on the capture path (a `line_listeners` entry): O(1) per chunk."""
+        if self._waiting:
+            self._event.set()
+            self._event = asyncio.Event()
+
+    async def wait(self) -> None:
+        event = self._event
+        self._waiting += 1
+        try:
+            await event.wait()
+        finally:
+            self._waiting -= 1
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        self.readers += 1
+        try:
+            yield
+        finally:
+            self.readers -= 1
+
+
+class LogCursor:
+    """One reader's place in the current launch's log: the launch log and a sequence number.
+
+    `current` names the launch log being written now. The cursor finishes the log it is on
+    before it moves to a newer one, and reports lines the ring let go before it read them.
+    """
+
+    def __init__(self, current: Callable[[], LaunchLog | None], history: int = 0) -> None:
+        self.current = current
+        self.log = current()
+        self.seq = 0
+        if self.log is not None:
+            ring = self.log.ring
+            self.seq = max(ring.seq - history, ring.first_seq - 1)
+
+    def read(self, limit: int) -> tuple[int, list[str]]:
+        """(lines dropped since the last read, up to `limit` lines redacted for sending)."""
+        log = self.log
+        now = self.current()
+        if now is not None and now is not log and (log is None or self.seq >= log.ring.seq):
+            log = self.log = now  # the previous launch is read to its end: follow the next one
+            self.seq = 0
+        if log is None:
+            return 0, []
+        gap, lines = log.ring.after(self.seq, limit)
+        self.seq += gap + len(lines)
+        return gap, [log.redact(line) for line in lines]
 
 
 def collapse_cr(line: str) -> str:

@@ -55,6 +55,12 @@ class GpuSettings(_Strict):
     busy_above_mib: int = Field(2048, ge=0)
 
 
+class LogStreamSettings(_Strict):
+    # A /logs/stream client whose socket takes nothing for this long is dropped.
+    send_timeout_s: float = Field(30.0, gt=0)
+    heartbeat_s: float = Field(15.0, gt=0)
+
+
 class Webhook(_Strict):
     url: str
     format: Literal["slack", "generic"] = "slack"
@@ -105,6 +111,7 @@ class Settings(BaseSettings):
     allowed_hosts: list[str] = []
     http: HttpLimits = Field(default_factory=HttpLimits)  # type: ignore[arg-type]
     log_repeat_window_s: float = Field(60.0, gt=0)
+    log_stream: LogStreamSettings = Field(default_factory=LogStreamSettings)  # type: ignore[arg-type]
 
     @field_validator("listen")
     @classmethod

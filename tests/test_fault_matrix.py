@@ -4,7 +4,8 @@ lost (the log keeps the evidence, the events and state.json record the exit).
 Rows: every stand-in fault; an exit-2 config error; the port in use; a foreign GPU holder; the
 log dir not writable; a full disk (a file-size limit); a corrupt state file at start; the daemon
 SIGKILLed, then started again; concurrent swaps and a stop; a webhook that hangs or fails; a
-sweep through a crashing and a refused config."""
+sweep through a crashing and a refused config; a flood and a crash with /logs/stream clients
+that read nothing."""
 
 from __future__ import annotations
 
@@ -97,7 +98,19 @@ ROWS: list[tuple[str, list[str], dict[str, Any], str, str]] = [
         "crash",
         "illegal memory access",
     ),
+    (
+        # With ten /logs/stream clients that read nothing (STALLED): a server blocked on its
+        # pipe by them would crash with its flood unwritten.
+        "log_streams_stalled",
+        ["--standin-flood=100000", "--standin-crash-after=3"],
+        {},
+        "crash",
+        "flood done: 100000 lines",
+    ),
 ]
+# Rows run with this many /logs/stream clients that never read: their streams must cost the
+# capture path nothing and end when they disconnect.
+STALLED = {"log_streams_stalled": 10}
 
 
 class Clients(threading.Thread):
@@ -266,11 +279,18 @@ def test_stand_in_fault(
         restart={"initial_delay_s": 0.05, "max_failures": 3},
         **(abuse.settings(tmp_path) if abuse else {}),
     )
+    from .test_logstreams import stalled_stream, streams  # noqa: PLC0415
+
+    clients = [stalled_stream(d.url) for _ in range(STALLED.get(row, 0))]
     with abuse.during(d) if abuse else contextlib.nullcontext():
         check_nothing_lost(d, tmp_path, reason, line)
         if reason != "config_error":  # not retried blindly
             ex = d.wait_event("server.exit", reason=reason, timeout=40)
             d.wait_event("server.launch", after=ex["_index"], timeout=40)
+    for sock in clients:
+        sock.close()
+    if clients:
+        wait_until(lambda: streams(d) == 0, 10, "the streams of the closed clients to end")
 
 
 def test_port_in_use(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
