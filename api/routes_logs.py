@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -44,13 +45,21 @@ def _launch_record(supervisor: Supervisor, launch: str | None) -> dict[str, Any]
             raise CommandError(404, "not_found", "no previous launch")
         record: dict[str, Any] = earlier[-1]
         return record
+    if launch == current:
+        return None  # served from the ring
     for h in reversed(history):
         if h["launch_id"] == launch:
             found: dict[str, Any] = h
             return found
-    if launch == current:
-        return None
+    # Older than the history kept in state.json, or from a state file since lost: a launch whose
+    # log file exists is found by its id (validated: it names a file, never a path).
+    if LAUNCH_ID_RE.match(launch):
+        for path in sorted(supervisor.settings.log_dir.glob(f"*/{launch}.log")):
+            return {"launch_id": launch, "config": path.parent.name, "log_file": str(path)}
     raise CommandError(404, "not_found", f"unknown launch {launch!r}")
+
+
+LAUNCH_ID_RE = re.compile(r"^\d{8}T\d{6}-\d{6}$")
 
 
 @router.get(

@@ -784,3 +784,22 @@ def test_a_server_that_ended_while_the_daemon_was_away_gets_its_exit_record(  # 
     assert ex["launch_id"] == old_launch and "while the daemon was away" in ex["evidence"]
     d2.wait_state("ready")
     wait_recorded(tmp_path, "the ended_unobserved exit", has_exit("ended_unobserved"))
+
+
+def test_every_launch_whose_log_exists_is_found_by_its_id(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:
+    """A launch older than the history state.json keeps (or from a state file since lost) is
+    still served by id; an id that is not one is 404, never a path."""
+    d = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
+    d.wait_state("ready")
+    old = tmp_path / "logs" / "base" / "20250101T000000-000001.log"
+    old.write_text("# gpuwarden launch 20250101T000000-000001\nold line api_key=sk-hidden\n")
+    body = d.http.get("/logs", params={"launch": "20250101T000000-000001"}).json()
+    assert body["config"] == "base" and body["log_file"] == str(old)
+    assert any("old line" in line for line in body["lines"])
+    assert "sk-hidden" not in json.dumps(body)
+    for bad in ("20250101T000000-000002", "../base/20250101T000000-000001", "*"):
+        assert d.http.get("/logs", params={"launch": bad}).status_code == 404
+    current = d.status()["launch_id"]
+    assert d.http.get("/logs", params={"launch": current}).json()["launch_id"] == current
