@@ -630,14 +630,7 @@ class Supervisor:
             else:
                 reason = "ended_unobserved"
                 evidence = "ended while the daemon was away (exit code and signal unknown)"
-            entry["exit"] = {
-                "code": None,
-                "signal": None,
-                "reason": reason,
-                "evidence": evidence,
-                "at": utc_iso(self.clock.time()),
-                "launch_id": launch_id,
-            }
+            entry["exit"] = self._exit_record(reason, evidence, launch_id=launch_id)
             self.last_exit = entry["exit"]
             self.exits_by_reason[reason] = self.exits_by_reason.get(reason, 0) + 1
             fields = {k: v for k, v in entry["exit"].items() if k != "at"}
@@ -854,17 +847,29 @@ class Supervisor:
                 f"({swap.phase}); wait for it, or stop",
             )
 
+    def _exit_record(
+        self,
+        reason: str,
+        evidence: str | None,
+        *,
+        code: int | None = None,
+        sig: int | None = None,
+        launch_id: str | None = None,
+    ) -> dict[str, Any]:
+        """The shape of `last_exit` and of each history entry's `exit`, wherever one is made."""
+        return {
+            "code": code,
+            "signal": sig,
+            "reason": reason,
+            "evidence": evidence,
+            "at": utc_iso(self.clock.time()),
+            "launch_id": launch_id,
+        }
+
     def _refuse(self, name: str | None, detail: str) -> None:
         """A start whose preflight failed: `failed` with `preflight_refused`."""
         self.intent_config, self.intent_running = name, True
-        self.last_exit = {
-            "code": None,
-            "signal": None,
-            "reason": "preflight_refused",
-            "evidence": detail,
-            "at": utc_iso(self.clock.time()),
-            "launch_id": None,
-        }
+        self.last_exit = self._exit_record("preflight_refused", detail)
         self._event("preflight_refused", config=name, detail=detail)
         if self.state != S.FAILED:
             self._transition(S.FAILED, reason="preflight_refused")
@@ -1418,14 +1423,13 @@ class Supervisor:
         from gpuwarden.daemon.policy import describe_returncode  # noqa: PLC0415
 
         code, sig, _ = describe_returncode(launch.returncode) if launch.exited else (None, None, "")
-        self.last_exit = {
-            "code": code,
-            "signal": sig,
-            "reason": verdict.reason,
-            "evidence": launch.redactor.text(verdict.evidence),
-            "at": utc_iso(self.clock.time()),
-            "launch_id": launch.launch_id or None,
-        }
+        self.last_exit = self._exit_record(
+            verdict.reason,
+            launch.redactor.text(verdict.evidence),
+            code=code,
+            sig=sig,
+            launch_id=launch.launch_id or None,
+        )
         self._event("exit", **{k: v for k, v in self.last_exit.items() if k not in ("at",)})
         if launch.launch_id:
             entry = next(
@@ -1466,14 +1470,7 @@ class Supervisor:
                 await self._fail(launch, Classification("internal_error", evidence))  # retried
         elif msg.name == "boot_start":
             if self.state == S.STOPPED:
-                self.last_exit = {
-                    "code": None,
-                    "signal": None,
-                    "reason": "internal_error",
-                    "evidence": evidence,
-                    "at": utc_iso(self.clock.time()),
-                    "launch_id": None,
-                }
+                self.last_exit = self._exit_record("internal_error", evidence)
                 # STOPPED -> FAILED
                 self._transition(S.FAILED, reason="internal_error", detail=evidence)
         elif (
