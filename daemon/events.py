@@ -83,6 +83,15 @@ class ProbeSucceeded:
 
 
 @dataclass(frozen=True)
+class ListenerChecked:
+    """Who holds the health URL's listening socket, asked when the launch looked ready."""
+
+    gen: int
+    how: str  # what said ready: "ready line" or the probe's detail
+    check: Any  # listener.ListenerCheck
+
+
+@dataclass(frozen=True)
 class ProbeFailed:
     gen: int
     detail: str
@@ -185,6 +194,7 @@ Message = (
     | ChildExited
     | LineParsed
     | ProbeSucceeded
+    | ListenerChecked
     | ProbeFailed
     | StartupTimedOut
     | GraceExpired

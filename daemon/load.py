@@ -52,6 +52,7 @@ class LoadSpec:
 class RequestResult:
     ok: bool
     tokens: int = 0
+    counted_by: str = "words"  # "usage": the stream's own token count
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     started: float = 0.0
@@ -77,8 +78,8 @@ async def _one(
         "stream_options": {"include_usage": True},
     }
     res = RequestResult(ok=False, started=time.perf_counter())
-    last = None
-    counted = 0
+    arrivals: list[tuple[float, int]] = []  # (time, words) of each chunk with text
+    usage: int | None = None
     try:
         async with client.stream("POST", url, json=body, timeout=spec.timeout_s) as r:
             if r.status_code != 200:
@@ -88,27 +89,40 @@ async def _one(
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    res.tokens = int(chunk["usage"].get("completion_tokens") or counted)
+                if chunk.get("usage") and chunk["usage"].get("completion_tokens") is not None:
+                    usage = int(chunk["usage"]["completion_tokens"])
                 text = "".join(
                     (c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or []
                 )
-                if not text:
-                    continue
-                now = time.perf_counter()
-                n = max(1, len(text.split()))
-                counted += n
-                if last is None:
-                    res.ttft_s = now - res.started
-                else:
-                    res.itl_s.extend([(now - last) / n] * n)
-                last = now
-        res.tokens = res.tokens or counted
+                if text:
+                    arrivals.append((time.perf_counter(), max(1, len(text.split()))))
+        _count(res, arrivals, usage)
         res.ok = True
     except (httpx.HTTPError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     res.ended = time.perf_counter()
     return res
+
+
+def _count(res: RequestResult, arrivals: list[tuple[float, int]], usage: int | None) -> None:
+    """Tokens, time to first token and inter-token latencies of one stream. The tokens are the
+    server's own count (`usage`, asked for with `stream_options.include_usage`), spread evenly
+    over the chunks that carried text; words stand in only for a server that sends no usage."""
+    if not arrivals:
+        res.tokens = usage or 0
+        res.counted_by = "usage" if usage is not None else "words"
+        return
+    res.ttft_s = arrivals[0][0] - res.started
+    if usage is not None:
+        res.tokens, res.counted_by = usage, "usage"
+        per_chunk = [usage / len(arrivals)] * len(arrivals)
+    else:
+        per_chunk = [float(n) for _, n in arrivals]
+        res.tokens, res.counted_by = sum(n for _, n in arrivals), "words"
+    for (prev, _), (now, _), n in zip(arrivals, arrivals[1:], per_chunk[1:], strict=False):
+        if n > 0:
+            k = max(1, round(n))
+            res.itl_s.extend([(now - prev) / n] * k)
 
 
 async def run_load(base_url: str, spec: LoadSpec, model: str = "default") -> dict[str, Any]:
@@ -134,12 +148,16 @@ async def run_load(base_url: str, spec: LoadSpec, model: str = "default") -> dic
         if r.ttft_s is not None and r.tokens > 1 and r.ended - r.started - r.ttft_s > 0
     ]
     itl = [x for r in ok for x in r.itl_s]
+    by = {r.counted_by for r in ok}
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     return {
         "requests_ok": len(ok),
         "requests_failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:5],
         "output_tokens": tokens,
+        # "usage" when every stream gave its token count; "words" (or "mixed") when a server
+        # sent none and whitespace-separated words were counted instead.
+        "tokens_counted_by": by.pop() if len(by) == 1 else ("mixed" if by else None),
         "wall_s": wall,
         "tok_s": statistics.median(streams) if streams else None,
         "total_tok_s": tokens / wall if wall > 0 else None,

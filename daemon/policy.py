@@ -106,8 +106,9 @@ def classify_exit(
         # Prefer the exception's own line over "Scheduler hit an exception: Traceback ...".
         typed = [e for e in exceptions if not e.startswith(("Scheduler hit", "Detokenizer"))]
         return Classification("crash", (typed or exceptions)[-1])
-    if "scheduler_dead" in by_kind:
-        return Classification("crash", by_kind["scheduler_dead"].line)
+    for kind in ("scheduler_dead", "sigquit"):  # SGLang's own word that a child died
+        if kind in by_kind:
+            return Classification("crash", by_kind[kind].line)
     if sig is not None:
         hint = " (possible OOM kill)" if sig == signal.SIGKILL else ""
         return Classification("signal", f"{words}{hint}")

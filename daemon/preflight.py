@@ -179,8 +179,12 @@ class Preflight:
         cli = split_command(cfg.argv)
         env = cfg.process_env(os.environ)
         warnings: list[str] = []
-        if cli.module in _SCRIPTS and cli.interpreter is not None:
-            interp = shutil.which(cli.interpreter) or cli.interpreter
+        interpreter = cli.interpreter
+        if interpreter is None and cli.module == "sglang.launch_server":
+            # `sglang serve`: the console script's own Python builds the same parser.
+            interpreter = script_interpreter(cli.program[0], env.get("PATH"))
+        if cli.module in _SCRIPTS and interpreter is not None:
+            interp = shutil.which(interpreter) or interpreter
             vflags = _version_flags(cli.args)
             try:
                 stamp = Path(interp).resolve().stat().st_mtime_ns  # noqa: ASYNC240 - one stat
@@ -257,11 +261,18 @@ class Preflight:
             cfg.config.args.get("port") is not None or split_command(cfg.argv).module in _SCRIPTS
         )
         if cfg.config.preflight.argv:
-            spec, warnings = await self.parser_for(cfg)
-            result.warnings += warnings
-            if spec is not None:
-                result.method = "parser" if spec.exact else "help"
-                result.problems += check_argv(spec, split_command(cfg.argv).args)
+            cli = split_command(cfg.argv)
+            args, unchecked = serve_args(cli.program, cli.args)
+            if unchecked is not None:
+                result.method = "skipped"
+                result.warnings.append(unchecked)
+            else:
+                spec, warnings = await self.parser_for(cfg)
+                result.warnings += warnings
+                if spec is not None:
+                    result.method = "parser" if spec.exact else "help"
+                    result.problems += check_argv(spec, args)
+            result.warnings += config_file_warnings(args)
         else:
             result.method = "skipped"
             result.warnings.append("preflight.argv is false: the argv was not checked")
@@ -275,6 +286,65 @@ class Preflight:
         result.warnings = [scrub(w) for w in result.warnings]
         result.ok = not result.problems
         return result
+
+
+def script_interpreter(program: str, path: str | None) -> str | None:
+    """The Python of a console script (`#!/venv/bin/python3.11`), or None."""
+    found = shutil.which(program, path=path) or program
+    try:
+        with open(found, "rb") as f:
+            first = f.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].decode(errors="replace").split()
+    if words and Path(words[0]).name == "env" and len(words) > 1:
+        words = words[1:]  # #!/usr/bin/env python3
+    return words[0] if words and Path(words[0]).name.startswith("python") else None
+
+
+def serve_args(program: Sequence[str], args: Sequence[str]) -> tuple[list[str], str | None]:
+    """`sglang serve`'s argv as its LLM parser sees it, or why it cannot be checked.
+
+    `sglang serve X ...` is `--model-path X ...`; `--model-type llm|auto` is taken out before
+    parsing; another model type is served by another backend, whose options are not known."""
+    out = list(args)
+    if list(program[-1:]) != ["serve"]:
+        return out, None
+    kind = "auto"
+    kept: list[str] = []
+    i = 0
+    while i < len(out):
+        a = out[i]
+        if a == "--model-type" and i + 1 < len(out):
+            kind = out[i + 1]
+            i += 2
+            continue
+        if a.startswith("--model-type="):
+            kind = a.split("=", 1)[1]
+        else:
+            kept.append(a)
+        i += 1
+    if kind not in ("auto", "llm"):
+        return kept, (
+            f"`sglang serve --model-type {kind}` runs another backend than SGLang's language "
+            "model server: its options are not known here, so the argv was not checked"
+        )
+    if kept and not kept[0].startswith("-"):
+        kept = ["--model-path", *kept]
+    return kept, None
+
+
+def config_file_warnings(args: Sequence[str]) -> list[str]:
+    for i, a in enumerate(args):
+        if a == "--config" or a.startswith("--config="):
+            name = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+            return [
+                f"the options in --config {name} are merged by SGLang when it starts: "
+                "they were not checked"
+            ]
+    return []
 
 
 def _help_extra(args: Sequence[str]) -> list[str]:

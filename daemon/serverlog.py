@@ -47,6 +47,8 @@ _KEYWORDS = (
     "atchdog",  # scheduler watchdog timeouts, torch's NCCL watchdog
     "dead",  # "Rank 0 scheduler is dead"
     "crashed",  # "Subprocess scheduler_0 (pid=N) crashed with exit code"
+    "IGQUIT",  # "SIGQUIT received. ... one child failed."
+    "igquit",  # "Received sigquit from a child process."
 )
 _KEYWORDS_B = tuple(k.encode() for k in _KEYWORDS)
 
@@ -83,6 +85,31 @@ class ParsedLine:
     decode: dict[str, float] | None = None
     prefill: bool = False
     findings: list[Finding] = field(default_factory=list)
+    # SGLang says the server is dead: a child crashed, SIGQUIT came from one, a manager's loop
+    # hit an exception. It may still linger (crash diagnostics, a 60 s coredump wait) with its
+    # port open, but it will never serve again.
+    death: bool = False
+
+
+# The lines SGLang prints when a process of the server has died (0.5.x):
+#   Subprocess scheduler_0 (pid=N) crashed with exit code -9. Triggering SIGQUIT for cleanup...
+#   SIGQUIT received. signum=None, frame=None. It usually means one child failed.
+#   Received sigquit from a child process. It usually means the child failed.   (while loading)
+#   Scheduler hit an exception: Traceback ...   (also DetokenizerManager, TokenizerManager,
+#                                                DataParallelController, *Router)
+#   ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', P): ...
+_HIT_AN_EXCEPTION = re.compile(r"^[A-Z]\w* hit an exception")
+
+
+def announces_death(msg: str) -> bool:
+    return (
+        (msg.startswith("Subprocess ") and "crashed with exit code" in msg)
+        # uvicorn could not bind: SGLang only waits for its warm-up (up to 120 tries of 5 s
+        # against whatever holds the port) before it exits.
+        or "error while attempting to bind on address" in msg
+        or msg.startswith(("SIGQUIT received.", "Received sigquit from a child proces"))
+        or _HIT_AN_EXCEPTION.match(msg) is not None
+    )
 
 
 def strip_prefix(line: str) -> str:
@@ -145,10 +172,9 @@ def parse_line(line: str) -> ParsedLine:
         find(Finding("scheduler_dead", msg))
     elif msg.startswith("Health check failed."):
         find(Finding("health_failed", msg))
-    if _EXCEPTION_LINE.match(msg) or msg.startswith(
-        ("Scheduler hit an exception", "DetokenizerManager hit an exception")
-    ):
+    if _EXCEPTION_LINE.match(msg) or _HIT_AN_EXCEPTION.match(msg):
         find(Finding("exception", msg))
+    out.death = announces_death(msg)
     return out
 
 

@@ -39,6 +39,7 @@ from gpuwarden.daemon.events import (
     GpuWaitDone,
     GraceExpired,
     LineParsed,
+    ListenerChecked,
     Message,
     OrphansKilled,
     ProbationOver,
@@ -58,6 +59,7 @@ from gpuwarden.daemon.events import (
 )
 from gpuwarden.daemon.gpu import GpuBackend, GpuSnapshot, busy_gpus, describe_busy
 from gpuwarden.daemon.health import HttpProber, Prober
+from gpuwarden.daemon.listener import ListenerCheck, check_listener
 from gpuwarden.daemon.policy import NOT_RETRIED, Classification, backoff_delay, classify_exit
 from gpuwarden.daemon.preflight import Preflight, PreflightResult
 from gpuwarden.daemon.redact import Redactor
@@ -68,6 +70,7 @@ from gpuwarden.daemon.serverlog import (
     ParsedLine,
     decode_metrics,
     prune_logs,
+    strip_prefix,
 )
 from gpuwarden.daemon.settings import Settings
 from gpuwarden.daemon.states import RUNNING_STATES, ServerState, check_transition
@@ -130,6 +133,8 @@ class Launch:
     next: Next | None = None
     next_config: ResolvedConfig | None = None
     imposed: Classification | None = None
+    announced: str | None = None  # SGLang's line saying the server died
+    checking_listener: bool = False  # a readiness signal came; who listens is being asked
     probe_failures: int = 0
     swap: Swap | None = None  # the swap this attempt belongs to
     rollback: bool = False  # this attempt is a rollback to the last good config
@@ -291,6 +296,7 @@ class Supervisor:
         self._owner_task: asyncio.Task[Any] | None = None
         self.sweep_deadline_s = SWEEP_DEADLINE_S
         self.sweep_view: Callable[[], dict[str, Any]] | None = None
+        self._listener_warned: set[str] = set()
 
     # -- public: thin clients of the owner task ---------------------------------------------------
 
@@ -463,6 +469,8 @@ class Supervisor:
                 self._on_line_parsed(msg)
             case ProbeSucceeded():
                 self._on_probe_ok(msg)
+            case ListenerChecked():
+                self._on_listener_checked(msg)
             case ProbeFailed():
                 self._on_probe_failed(msg)
             case StartupTimedOut():
@@ -1155,7 +1163,7 @@ class Supervisor:
                 launch.add_findings(
                     [Finding(f.kind, launch.redactor.text(f.line)) for f in result.findings]
                 )
-            if result.ready or result.decode is not None:
+            if result.ready or result.decode is not None or result.death:
                 self.post(LineParsed(launch.gen, result, text))
 
     def _on_line_parsed(self, msg: LineParsed) -> None:
@@ -1167,17 +1175,77 @@ class Supervisor:
                 **decode_metrics(msg.parsed.decode),
                 "at": utc_iso(self.clock.time()),
             }
-        if msg.parsed.ready and self.state == S.STARTING:
-            self._became_ready(launch, "ready line")
+        if msg.parsed.death:
+            self._on_death_announced(launch, launch.redactor.text(strip_prefix(msg.line).strip()))
+        elif msg.parsed.ready and self.state == S.STARTING:
+            self._confirm_ready(launch, "ready line")
+
+    def _on_death_announced(self, launch: Launch, line: str) -> None:
+        """SGLang says a process of the server died. It is dead: what follows is diagnostics
+        (5 s of settling, py-spy, up to 60 s waiting for CUDA coredumps) with its port open and
+        requests hanging. No grace and no probe can change that, so the group is SIGKILLed now
+        and the exit's evidence is SGLang's line."""
+        if launch.announced is not None or launch.exited or launch.child is None:
+            return
+        launch.announced = line
+        self._event("death_announced", line=line)
+        if launch.next in (None, Next.RETRY):
+            # Our own reason for ending it (a probe, a timeout) is weaker than the server's word.
+            launch.next, launch.imposed = Next.RETRY, None
+        launch.cancel_tasks()
+        if self.state != S.STOPPING:
+            # STARTING | READY | UNHEALTHY -> STOPPING
+            self._transition(S.STOPPING, next=str(launch.next), reason="crash", detail=line)
+        launch.child.kill_group()
 
     def _on_probe_ok(self, msg: ProbeSucceeded) -> None:
         launch = self._current(msg.gen)
         if launch is None:
             return
         if self.state == S.STARTING:
-            self._became_ready(launch, msg.detail)
+            self._confirm_ready(launch, msg.detail)
         elif self.state in (S.READY, S.UNHEALTHY):
             launch.probe_failures = 0
+
+    def _confirm_ready(self, launch: Launch, how: str) -> None:
+        """The ready line or a 200 says ready; neither proves that this launch answers (SGLang
+        prints its ready line when its warm-up reached another server on its port, its own
+        bind having failed). Ask who holds the health URL's socket first."""
+        if launch.checking_listener or launch.child is None:
+            return
+        launch.checking_listener = True
+        self._spawn(self._check_listener(launch, how), launch)
+
+    async def _check_listener(self, launch: Launch, how: str) -> None:
+        assert launch.child is not None
+        main = launch.child.pid
+        url = launch.config.health_url
+
+        def tree() -> list[int]:
+            return [pid for pid, _ in _launch_tree(main)]
+
+        check = await asyncio.to_thread(check_listener, url, tree)
+        self.post(ListenerChecked(launch.gen, how, check))
+
+    def _on_listener_checked(self, msg: ListenerChecked) -> None:
+        launch = self._current(msg.gen)
+        if launch is None or self.state != S.STARTING:
+            return
+        launch.checking_listener = False
+        check: ListenerCheck = msg.check
+        if check.ours is False:
+            self._end_for_retry(launch, "port_in_use", check.detail)  # STARTING -> STOPPING
+            return
+        if check.ours is None and launch.config.name not in self._listener_warned:
+            # Said once per config: the same reason holds for every launch of it.
+            self._listener_warned.add(launch.config.name)
+            self._event(
+                "listener_unchecked",
+                config=launch.config.name,
+                detail=f"cannot check that this launch answers {launch.config.health_url}: "
+                f"{check.detail}; readiness rests on the {msg.how}",
+            )
+        self._became_ready(launch, msg.how)
 
     def _became_ready(self, launch: Launch, how: str) -> None:
         launch.ready_at = self.clock.time()

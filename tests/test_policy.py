@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from gpuwarden.daemon.policy import backoff_delay, classify_exit
+from gpuwarden.daemon.policy import Classification, backoff_delay, classify_exit
 from gpuwarden.daemon.serverlog import Finding
 from gpuwarden.daemon.settings import RestartPolicy
 
@@ -35,3 +35,12 @@ def test_classification_priorities() -> None:
     assert classify_exit(-9, [], requested_stop=True).reason == "requested_stop"
     assert classify_exit(-11, []).evidence == "killed by SIGSEGV"
     assert classify_exit(0, []).evidence == "exited with code 0"
+
+
+def test_sglangs_word_that_a_child_died_is_the_evidence_of_a_kill_that_followed() -> None:
+    """The daemon SIGKILLs the group on SGLang's line: -9 is ours, the line is the reason."""
+    quit_line = "SIGQUIT received. signum=None, frame=None. It usually means one child failed."
+    dead = "Subprocess detokenizer (pid=7) crashed with exit code -9. Triggering SIGQUIT..."
+    assert classify_exit(-9, [Finding("sigquit", quit_line)]) == Classification("crash", quit_line)
+    both = [Finding("scheduler_dead", dead), Finding("sigquit", quit_line)]
+    assert classify_exit(-9, both) == Classification("crash", dead)

@@ -76,3 +76,38 @@ async def test_a_program_it_does_not_know_is_not_held_to_sglangs_default_port(
         assert check_port("127.0.0.1", SGLANG_DEFAULT_PORT, None) is not None
         result = await Preflight().check(cfg)
     assert result.ok, result.problems
+
+
+def test_sglang_serve_forms_are_read_as_sglang_reads_them(tmp_path: Path) -> None:
+    from gpuwarden.daemon.preflight import (  # noqa: PLC0415
+        config_file_warnings,
+        script_interpreter,
+        serve_args,
+    )
+
+    serve = ["sglang", "serve"]
+    assert serve_args(serve, ["org/model", "--tp", "2"]) == (
+        ["--model-path", "org/model", "--tp", "2"],
+        None,
+    )
+    assert serve_args(serve, ["--model-type", "llm", "--model-path", "m"]) == (
+        ["--model-path", "m"],
+        None,
+    )
+    _, why = serve_args(serve, ["m", "--model-type=diffusion"])
+    assert why is not None and "--model-type diffusion" in why and "not checked" in why
+    # The -m form has no positional model path: left to the parser, which refuses it.
+    assert serve_args(["python", "-m", "sglang.launch_server"], ["m"]) == (["m"], None)
+    assert "--config x.yaml" in config_file_warnings(["--config", "x.yaml"])[0]
+    assert config_file_warnings(["--tp", "2"]) == []
+
+    script = tmp_path / "bin" / "sglang"
+    script.parent.mkdir()
+    script.write_text("#!/opt/venv/bin/python3.11\nimport sys\n")
+    script.chmod(0o755)
+    assert script_interpreter("sglang", str(script.parent)) == "/opt/venv/bin/python3.11"
+    script.write_text("#!/usr/bin/env python3\n")
+    assert script_interpreter(str(script), None) == "python3"
+    script.write_text("#!/bin/sh\nexec something\n")
+    assert script_interpreter(str(script), None) is None
+    assert script_interpreter(str(tmp_path / "missing"), None) is None

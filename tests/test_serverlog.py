@@ -16,6 +16,7 @@ from gpuwarden.daemon.serverlog import (
     LogCursor,
     LogFeed,
     LogUnwritable,
+    ParsedLine,
     Ring,
     parse_line,
     prune_logs,
@@ -179,3 +180,37 @@ def test_control_characters_in_argv_cannot_add_header_lines(tmp_path: Path) -> N
     ]
     assert "# env overrides: NOTE=a\\nb" in lines
     assert lines[-2:] == ["first server line", "# ended\\nforged trailer"]
+
+
+DEATHS = [
+    "[2026-12-02 10:00:01] Subprocess scheduler_0 (pid=41) crashed with exit code -9. "
+    "Triggering SIGQUIT for cleanup...",
+    "[2026-12-02 10:00:01] Subprocess detokenizer (pid=42) crashed with exit code -9. "
+    "Triggering SIGQUIT for cleanup...",
+    "[2026-12-02 10:00:01] SIGQUIT received. signum=None, frame=None. It usually means one "
+    "child failed.",
+    "[2026-12-02 10:00:01] Received sigquit from a child process. It usually means the child "
+    "failed.",
+    "[2026-12-02 10:00:01 TP0] Scheduler hit an exception: Traceback (most recent call last):",
+    "[2026-12-02 10:00:01] DetokenizerManager hit an exception: Traceback (most recent call last):",
+    "[2026-12-02 10:00:01] TokenizerManager hit an exception: Traceback (most recent call last):",
+    "[2026-12-02 10:00:01] ERROR:    [Errno 98] error while attempting to bind on address "
+    "('127.0.0.1', 30000): address already in use",
+]
+NOT_DEATHS = [
+    "[2026-12-02 10:00:01] Sleeping 5 seconds before crash diagnostics to let GPU activity settle.",
+    "[2026-12-02 10:00:01] Health check failed. Server couldn't get a response from detokenizer",
+    '[2026-12-02 10:00:01] INFO:     127.0.0.1:5 - "GET /health HTTP/1.1" 200 OK',
+    "[2026-12-02 10:00:01] user text: the scheduler hit an exception once, says the prompt",
+]
+
+
+def test_sglangs_death_announcements_are_recognised_through_the_log_pipeline(
+    tmp_path: Path,
+) -> None:
+    seen: list[tuple[str, ParsedLine]] = []
+    log = LaunchLog(tmp_path / "x" / "a.log", ["h"], on_lines=lambda _, p: seen.extend(p))
+    log.feed("".join(line + "\n" for line in DEATHS + NOT_DEATHS).encode())
+    log.close("done")
+    deaths = [text for text, parsed in seen if parsed.death]
+    assert deaths == DEATHS

@@ -65,6 +65,7 @@ def test_a_sweep_runs_unattended_and_answers(procs, tmp_path: Path, fake_gpu: Pa
             assert abs(r["server_accept_len"] - accept) <= 0.4, (name, r["server_accept_len"])
             assert r["avg_spec_accept_length"] is not None
         assert r["server_gen_tok_s"] is not None
+        assert r["tokens_counted_by"] == "usage"
     assert rows["typo"]["status"] == "refused" and rows["typo"]["reason"] == "preflight_refused"
     assert "--speculative-eagle-top-k 4" in rows["typo"]["evidence"]
     assert rows["oom"]["status"] == "rolled_back" and rows["oom"]["reason"] == "cuda_oom"
@@ -130,3 +131,17 @@ def test_cli_sweep_and_cancel_restores(procs, tmp_path: Path, fake_gpu: Path) ->
     assert cancelled["state"] == "cancelled"
     d.wait_event("server.sweep_restored", sweep_id=sid, timeout=60)
     assert d.status()["config"] == "baseline"
+
+
+def test_tokens_are_the_streams_usage_and_words_only_without_it() -> None:
+    from gpuwarden.daemon.load import RequestResult, _count  # noqa: PLC0415
+
+    # Three chunks of text; the words say 9, the server says 6 tokens.
+    arrivals = [(10.5, 3), (11.0, 3), (11.5, 3)]
+    res = RequestResult(ok=True, started=10.0)
+    _count(res, arrivals, usage=6)
+    assert (res.tokens, res.counted_by, res.ttft_s) == (6, "usage", 0.5)
+    assert res.itl_s == [0.25, 0.25, 0.25, 0.25]  # 0.5 s per chunk of 2 tokens
+    words = RequestResult(ok=True, started=10.0)
+    _count(words, arrivals, usage=None)
+    assert (words.tokens, words.counted_by) == (9, "words")
