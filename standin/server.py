@@ -57,6 +57,7 @@ DURATIONS: dict[str, float] = {
     "health_timeout": 20.0,  # SGLANG_HEALTH_CHECK_TIMEOUT
     "scheduler_exit": 15.0,  # 0.5.23's _SCHEDULER_EXIT_TIMEOUT_SECS
     "subprocess_watchdog": 1.0,  # 0.5.12+'s SubprocessWatchdog period
+    "crash_settle": 5.0,  # 0.5.23: "Sleeping 5 seconds before crash diagnostics"
 }
 
 WORDS = (
@@ -101,6 +102,20 @@ def kill_process_tree(parent_pid: int, include_parent: bool = True) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             itself.kill()
             itself.send_signal(signal.SIGQUIT)
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ[name])
+    except (KeyError, ValueError):
+        return default
 
 
 def log(message: str) -> None:
@@ -319,18 +334,63 @@ class StandinServer:
         log("Received sigquit from a child process. It usually means the child failed.")
         kill_process_tree(os.getpid())
 
-    @staticmethod
-    def running_sigquit_handler(signum: int, frame: FrameType | None) -> None:
-        log(f"SIGQUIT received. signum={signum}, frame={frame}. It usually means one child failed.")
+    def running_sigquit_handler(self, signum: int, frame: FrameType | None) -> None:
+        # SGLang's handler is called with no arguments: it prints None, None.
+        log("SIGQUIT received. signum=None, frame=None. It usually means one child failed.")
+        self.exiting = True  # the subprocess watchdog stops first
+        self.crash_diagnostics()
         kill_process_tree(os.getpid())
+
+    def crash_diagnostics(self) -> None:
+        """0.5.23's dump_requests_before_crash: with its defaults the dead server lingers,
+        port open and requests hanging (this runs on the event loop's thread), 5 s, and 60 s
+        more while a scheduler is alive (a dead detokenizer) waiting for CUDA coredumps."""
+        if not self.profile.crash_diagnostics:
+            return
+        pyspy = _env_bool("SGLANG_PYSPY_DUMP_BEFORE_CRASH", True)
+        coredump = _env_bool("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", True)
+        if not (pyspy or coredump):
+            return
+        log("Sleeping 5 seconds before crash diagnostics to let GPU activity settle.")
+        settle = self.seconds("crash_settle")
+        # At least 1 s, even time-scaled: a scheduler that has just reported its exception is
+        # on its way out, and SGLang's 5 s always sees it gone.
+        deadline = time.monotonic() + max(settle, 1.0)
+        time.sleep(settle)
+        schedulers = [p for name, p, _ in self.children if name.startswith("scheduler")]
+        for proc in schedulers:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        live = [p for p in schedulers if p.is_alive()]
+        if not live:
+            log("No live scheduler processes found; skipping py-spy and CUDA coredump.")
+            return
+        if pyspy:
+            for proc in live:
+                for flag in ("--native", ""):
+                    cmd = f"py-spy dump {flag} --pid {proc.pid}"  # two spaces without a flag
+                    log(f"Pyspy failed ({cmd}). Error: /bin/sh: 1: py-spy: not found\n")
+                log(f"All pyspy dump attempts failed for PID {proc.pid}.")
+        if coredump:
+            log(
+                "CUDA user-triggered coredump is not enabled. Set "
+                "CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1 before CUDA initialization."
+            )
+            for proc in live:
+                log(
+                    f"CUDA coredump pipe not found for PID {proc.pid}: "
+                    f"/tmp/corepipe.cuda.vm.{proc.pid}. Ensure "
+                    "CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1 was set before this process "
+                    "initialized CUDA."
+                )
+            wait = _env_float("SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS", 60.0)
+            if wait > 0:
+                log(f"Waiting {wait:.1f} seconds for CUDA coredumps before exiting.")
+                time.sleep(wait)
 
     def on_sigterm(self) -> None:
         if self.cfg.faults.ignore_sigterm:
             return
-        log(
-            f"SIGTERM received. signum={signal.SIGTERM!r} frame=None. "
-            "Draining requests and shutting down..."
-        )
+        log("SIGTERM received. signum=None frame=None. Draining requests and shutting down...")
         self.state.gracefully_exit = True
 
     async def sigterm_watchdog(self) -> None:
@@ -394,10 +454,12 @@ class StandinServer:
         if not self.args.skip_server_warmup:
             await asyncio.sleep(self.seconds("warmup_sleep"))
             try:
+                # 0.5.12+ asks the new route (the old one logs a deprecation).
+                info = "/model_info" if self.profile.deprecated_info_routes else "/get_model_info"
                 async with httpx.AsyncClient(headers=headers, timeout=600, trust_env=False) as c:
                     for _ in range(120):
                         with contextlib.suppress(httpx.HTTPError):
-                            if (await c.get(base + "/get_model_info")).status_code == 200:
+                            if (await c.get(base + info, timeout=5)).status_code == 200:
                                 break
                         await asyncio.sleep(self.seconds("warmup_sleep"))
                     res = await c.post(
@@ -816,6 +878,9 @@ class StandinServer:
         self.uvicorn_server = server
         signal.signal(signal.SIGQUIT, self.running_sigquit_handler)
 
+        # 0.5.23 starts its warm-up thread in the app's lifespan, before the bind.
+        warm = loop.create_task(self.warmup()) if self.profile.warmup_before_bind else None
+
         async def after_start() -> None:
             while not server.started:
                 if server.should_exit:
@@ -823,13 +888,23 @@ class StandinServer:
                 await asyncio.sleep(0.005)
             if self.cfg.faults.ignore_sigterm:
                 loop.add_signal_handler(signal.SIGTERM, lambda: None)
-            await self.warmup()
+            if warm is None:
+                await self.warmup()
 
         task = loop.create_task(after_start())
         try:
             await server.serve()
+        except SystemExit:
+            if warm is not None and not server.started:
+                # The bind failed. The warm-up is joined first, as SGLang's lifespan does: off
+                # another server's answers on the port it may print the ready line.
+                with contextlib.suppress(Exception):
+                    await warm
+            raise
         finally:
             task.cancel()
+            if warm is not None:
+                warm.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,13 @@ class Profile:
     uvicorn_bind_failure_exit: int  # uvicorn 0.32 exits 1, uvicorn >= 0.51 exits 3
     new_capture_lines: bool  # 0.5.23's "Capture target decode CUDA graph" wording
     deprecated_info_routes: bool  # /get_server_info, /get_model_info log a deprecation (0.5.12+)
+    # After a dead child: 5 s settling, py-spy, then (a scheduler still alive) a 60 s wait for
+    # CUDA coredumps, port open and requests hanging, before kill_process_tree (0.5.23).
+    crash_diagnostics: bool = False
+    # The warm-up thread starts in the app's lifespan, before uvicorn binds, and is joined on
+    # the way out: if the bind fails, a warm-up that reaches another server on the port still
+    # prints the ready line, then the process exits 3 (0.5.23).
+    warmup_before_bind: bool = False
 
     @property
     def at_least_0_5_12(self) -> bool:
@@ -163,6 +170,8 @@ PROFILES: dict[str, Profile] = {
         uvicorn_bind_failure_exit=3,
         new_capture_lines=True,
         deprecated_info_routes=True,
+        crash_diagnostics=True,
+        warmup_before_bind=True,
     ),
 }
 

@@ -185,6 +185,13 @@ def procs() -> Iterator[list[Proc]]:
     """Children started by a test; afterwards no member of their process groups, and no server
     a daemon of theirs launched, may be alive. Each child gets SIGTERM first (a daemon then
     stops its server), SIGKILL to its group only if it does not exit."""
+    with owned_processes() as started:
+        yield started
+
+
+@contextlib.contextmanager
+def owned_processes() -> Iterator[list[Proc]]:
+    """The body of `procs`, for fixtures of a wider scope (a server shared by a module)."""
     t0 = time.time() - 1
     mark = uuid.uuid4().hex
     os.environ[TEST_MARK] = mark  # children inherit it, and the servers of their daemons too
@@ -247,6 +254,19 @@ def standin(procs: list[Proc], fake_gpu: Path) -> Callable[..., Proc]:
         proc = Proc(argv, env=full_env)
         proc.port = int(argv[argv.index("--port") + 1])  # type: ignore[attr-defined]
         procs.append(proc)
+        return proc
+
+    return start
+
+
+@pytest.fixture
+def foreign_http(procs: list[Proc]) -> Callable[[int], Proc]:
+    """Another program's HTTP server on `port` (200 to everything), as its own process."""
+
+    def start(port: int) -> Proc:
+        proc = Proc([PY, str(Path(__file__).with_name("foreign_http.py")), "--port", str(port)])
+        procs.append(proc)
+        proc.wait_for(rf"^listening {port}$")
         return proc
 
     return start

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import resource
 import select
 import signal
@@ -29,7 +30,7 @@ import httpx
 import psutil
 import pytest
 
-from .conftest import PY, Proc, alive, wait_until
+from .conftest import PY, Proc, alive, free_port, wait_until
 from .daemon_harness import Daemon, standin_config, start_daemon, write_setup
 from .test_guard import (
     TOKEN,
@@ -803,3 +804,60 @@ def test_every_launch_whose_log_exists_is_found_by_its_id(  # type: ignore[no-un
         assert d.http.get("/logs", params={"launch": bad}).status_code == 404
     current = d.status()["launch_id"]
     assert d.http.get("/logs", params={"launch": current}).json()["launch_id"] == current
+
+
+def test_a_dead_detokenizer_ends_the_launch_on_sglangs_line(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path
+) -> None:
+    """The stand-in, as SGLang 0.5.23 with its defaults, lingers for 60 s after a child died,
+    its port open and requests hanging. The launch ends on SGLang's own line, its group
+    SIGKILLed at once; the exit's evidence is that line; the restart policy follows."""
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"f": standin_config()},
+        default="f",
+        restart={"initial_delay_s": 0, "jitter": 0},
+    )
+    d.wait_state("ready")
+    first = d.status()
+    mark = d.mark()
+    detokenizer = next(
+        c for c in psutil.Process(first["pid"]).children() if c.name().startswith("sglang::detok")
+    )
+    detokenizer.kill()
+    said = d.wait_event("server.death_announced", after=mark, timeout=20)
+    assert re.fullmatch(
+        r"Subprocess detokenizer \(pid=\d+\) crashed with exit code -9\. "
+        r"Triggering SIGQUIT for cleanup\.\.\.",
+        said["line"],
+    )
+    ex = d.wait_event("server.exit", after=mark, timeout=20)  # not after SGLang's 60 s
+    assert (ex["reason"], ex["evidence"]) == ("crash", said["line"])
+    assert not alive(first["pid"])
+    d.wait_state("ready", after=ex["_index"], timeout=40)
+    assert d.status()["launch_id"] != first["launch_id"]
+
+
+def test_a_port_taken_while_the_server_loads_is_port_in_use_and_never_ready(  # type: ignore[no-untyped-def]
+    procs, tmp_path: Path, fake_gpu: Path, foreign_http
+) -> None:
+    """Another server takes the port after preflight, while the stand-in loads: its 200s (and
+    the stand-in's ready line, printed off the other server's answers) are not this launch's."""
+    port = free_port()
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"f": standin_config(port=port, scale=0.5)},
+        default="f",
+        restart={"initial_delay_s": 60},
+    )
+    d.wait_event("server.launch")
+    foreign = foreign_http(port)
+    ex = d.wait_event("server.exit", reason="port_in_use", timeout=40)
+    assert f"127.0.0.1:{port} is held by pid {foreign.pid} (" in ex["evidence"]
+    assert "not by this launch" in ex["evidence"]
+    assert not [r for r in d.records() if r.get("event") == "server.state" and r["to"] == "ready"]
+    assert d.status()["state"] == "backoff"

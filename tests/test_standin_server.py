@@ -29,7 +29,7 @@ STARTUP_ORDER = [
     r"max_total_num_tokens=\d+, chunked_prefill_size=\d+, max_prefill_tokens=\d+",
     r"INFO:     Started server process \[\d+\]",
     r"INFO:     Uvicorn running on http://127\.0\.0\.1:\d+ \(Press CTRL\+C to quit\)",
-    r'"GET /get_model_info HTTP/1\.1" 200 OK',
+    r'"GET /model_info HTTP/1\.1" 200 OK',  # 0.5.23's warm-up asks the new route
     r"Prefill batch, #new-seq: 1, #new-token: \d+, #cached-token: 0",
     r"The server is fired up and ready to roll!",
 ]
