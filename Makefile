@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench soak clean standin-table setup
+.PHONY: demo test test-real bench-real lint typecheck unit bench soak clean standin-table setup
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,9 +30,16 @@ typecheck: setup
 	$(BIN)/mypy -p gpuwarden.daemon -p gpuwarden.api -p gpuwarden.standin
 
 unit: setup
-	$(BIN)/pytest -q -p no:cacheprovider
+	$(BIN)/pytest -q -p no:cacheprovider --ignore=tests/real
 
 test: lint typecheck unit
+
+# The real SGLang 0.5.23 on the CPU, serving a tiny model made here. Its environment (torch
+# 2.13.0's CPU wheel, SGLang and its CPU dependencies, the model) is built once into
+# ${XDG_CACHE_HOME:-~/.cache}/gpuwarden/test-real/<hash> (GPUWARDEN_TEST_REAL_CACHE moves it).
+test-real: setup
+	$(PYTHON) tests/real/env.py
+	$(BIN)/pytest -q -p no:cacheprovider tests/real
 
 # Regenerates the stand-in's 0.5.23 option table from SGLang's own --help.
 standin-table: setup
@@ -54,6 +61,11 @@ $(PEERS)/.installed:
 # bench/results/peers.{md,json} and the README's table.
 bench: setup $(PEERS)/.installed
 	$(BIN)/python bench/peers.py --readme README.md
+
+# A dead child of the real SGLang (and of the stand-in): crash line -> group gone -> next exec.
+bench-real: setup
+	$(PYTHON) tests/real/env.py
+	$(BIN)/python bench/deadchild.py
 
 # A bounded soak: 1,000 crash -> restart cycles with zero backoff; prints flat-or-not figures.
 soak: setup

@@ -1,0 +1,55 @@
+"""Scenarios that end their daemon or their server for good: each has its own daemon."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import alive, free_port, wait_until
+
+from .conftest import STARTUP_S, DaemonFactory, sglang_config
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_the_daemons_sigterm_stops_sglang_gracefully_and_leaves_nothing(
+    real_daemon: DaemonFactory, sglang_env: Path
+) -> None:
+    d = real_daemon({"tiny": sglang_config(sglang_env)}, default="tiny")
+    wait_until(lambda: d.status()["state"] == "ready", STARTUP_S, "the real server")
+    st = d.status()
+    tree = [st["pid"], *(c.pid for c in psutil.Process(st["pid"]).children(recursive=True))]
+    assert len(tree) >= 3  # main, scheduler, detokenizer (and multiprocessing's tracker)
+    d.proc.signal(signal.SIGTERM)
+    assert d.proc.wait(120) == 0
+    log = Path(st["log_file"]).read_text()
+    # SIGTERM went to SGLang's main process alone: it drained and exited 0. Had the whole group
+    # been signalled, the scheduler's -15 would have shown as a crash.
+    assert "SIGTERM received. signum=None frame=None. Draining requests and shutting down" in log
+    assert "Gracefully exiting... Remaining number of requests 0." in log
+    assert "crashed with exit code -15" not in log
+    assert "# exit: stopped on request (exited with code 0)" in log
+    assert not [pid for pid in tree if alive(pid)]
+
+
+def test_a_port_taken_while_sglang_loads_is_port_in_use_never_ready(
+    real_daemon: DaemonFactory, sglang_env: Path, foreign_http
+) -> None:  # type: ignore[no-untyped-def]
+    """SGLang binds only after loading, and prints its ready line when its warm-up reached
+    whatever answers on the port: the daemon checks who holds the socket."""
+    port = free_port()
+    d = real_daemon(
+        {"tiny": sglang_config(sglang_env, port)},
+        default="tiny",
+        restart={"initial_delay_s": 600},
+    )
+    d.wait_event("server.launch", timeout=60)
+    foreign = foreign_http(port)
+    ex = d.wait_event("server.exit", reason="port_in_use", timeout=STARTUP_S)
+    assert f"127.0.0.1:{port} is held by pid {foreign.pid} (" in ex["evidence"], ex
+    states = [r["to"] for r in d.records() if r.get("event") == "server.state"]
+    assert "ready" not in states, states
+    assert d.status()["state"] == "backoff"
