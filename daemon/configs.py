@@ -54,6 +54,10 @@ class HealthConfig(_Strict):
     interval_s: float = Field(5.0, gt=0)
     timeout_s: float = Field(30.0, gt=0)
     failures: int = Field(3, ge=1)
+    # Ready only once the health URL's listening socket is found among the launch's processes
+    # (when its host is this machine's). False for a server reached through another process
+    # that holds the port: docker-proxy, a local proxy or sidecar.
+    check_listener: bool = True
 
 
 class PreflightConfig(_Strict):

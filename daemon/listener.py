@@ -32,6 +32,7 @@ class ListenerCheck:
     ours: bool | None
     detail: str
     holder: int | None = None  # the foreign pid, when found
+    nothing_listens: bool = False
 
 
 def url_endpoint(url: str) -> tuple[str, int] | None:
@@ -113,10 +114,20 @@ def listening_inodes(
     return exact or wildcard
 
 
-def socket_inodes(pid: int, proc: Path = Path("/proc")) -> set[int]:
+def socket_inodes(pid: int, proc: Path = Path("/proc"), strict: bool = False) -> set[int]:
+    """The socket inodes `pid` holds. `strict`: a process whose descriptors cannot be read
+    (another user's, without the privilege) raises PermissionError instead of holding none."""
     out: set[int] = set()
+    try:
+        entries = list(os.scandir(proc / str(pid) / "fd"))
+    except PermissionError:
+        if strict:
+            raise
+        return out
+    except OSError:
+        return out  # gone
     with contextlib.suppress(OSError):
-        for fd in os.scandir(proc / str(pid) / "fd"):
+        for fd in entries:
             with contextlib.suppress(OSError):
                 target = os.readlink(fd.path)
                 if target.startswith("socket:["):
@@ -136,14 +147,13 @@ def _find_holder(inodes: set[int], skip: set[int], proc: Path) -> int | None:
 
 
 def describe_pid(pid: int) -> str:
+    """The pid and its program's name: not its command line, which may carry its secrets."""
     import psutil  # noqa: PLC0415
 
     try:
-        p = psutil.Process(pid)
-        cmd = " ".join(p.cmdline()) or p.name()
+        return f"pid {pid} ({psutil.Process(pid).name()})"
     except psutil.Error:
         return f"pid {pid}"
-    return f"pid {pid} ({cmd[:200]})"
 
 
 def check_listener(
@@ -165,12 +175,21 @@ def check_listener(
     where = f"{host}:{port}"
     if not inodes:
         # A program whose ready line is its only readiness (no HTTP): nothing to compare.
-        return ListenerCheck(None, f"nothing listens on {where}")
+        return ListenerCheck(None, f"nothing listens on {where}", nothing_listens=True)
     ours = set(pids() if callable(pids) else pids)
     held = set(inodes)
     for pid in ours:
-        if socket_inodes(pid, proc) & held:
-            return ListenerCheck(True, f"{where} is held by pid {pid} of this launch")
+        try:
+            if socket_inodes(pid, proc, strict=True) & held:
+                return ListenerCheck(True, f"{where} is held by pid {pid} of this launch")
+        except PermissionError:
+            return ListenerCheck(
+                None, f"the descriptors of pid {pid} of this launch are unreadable"
+            )
+    # Not ours is said only of a holder found: one this daemon cannot see proves nothing.
     holder = _find_holder(held, ours, proc)
-    who = describe_pid(holder) if holder is not None else "a process outside this launch"
-    return ListenerCheck(False, f"{where} is held by {who}, not by this launch", holder)
+    if holder is None:
+        return ListenerCheck(None, f"{where} is held by a process whose descriptors are unreadable")
+    return ListenerCheck(
+        False, f"{where} is held by {describe_pid(holder)}, not by this launch", holder
+    )

@@ -91,25 +91,33 @@ class ParsedLine:
     death: bool = False
 
 
-# The lines SGLang prints when a process of the server has died (0.5.x):
+# The lines SGLang prints when a process of the server has died (0.5.x), each from its logger
+# and so after its `[YYYY-MM-DD HH:MM:SS]` prefix:
 #   Subprocess scheduler_0 (pid=N) crashed with exit code -9. Triggering SIGQUIT for cleanup...
 #   SIGQUIT received. signum=None, frame=None. It usually means one child failed.
 #   Received sigquit from a child process. It usually means the child failed.   (while loading)
 #   Scheduler hit an exception: Traceback ...   (also DetokenizerManager, TokenizerManager,
 #                                                DataParallelController, *Router)
 #   ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', P): ...
+# Only the message's start counts, after a real prefix: text a client controls (a prompt that
+# `--log-requests` logs inside `Receive: obj=...`, a traceback's message lines) cannot kill
+# a healthy server by mentioning these words.
+_DEATH = re.compile(
+    r"(?:Subprocess \S+ \(pid=\d+\) crashed with exit code -?\d+"
+    r"|SIGQUIT received\. "
+    r"|Received sigquit from a child proces"
+    r"|[A-Z]\w* hit an exception: "
+    # uvicorn could not bind: SGLang only waits for its warm-up (up to 120 tries of 5 s against
+    # whatever holds the port) before it exits.
+    r"|(?:ERROR:\s+)?\[Errno \d+\] error while attempting to bind on address )"
+)
 _HIT_AN_EXCEPTION = re.compile(r"^[A-Z]\w* hit an exception")
 
 
-def announces_death(msg: str) -> bool:
-    return (
-        (msg.startswith("Subprocess ") and "crashed with exit code" in msg)
-        # uvicorn could not bind: SGLang only waits for its warm-up (up to 120 tries of 5 s
-        # against whatever holds the port) before it exits.
-        or "error while attempting to bind on address" in msg
-        or msg.startswith(("SIGQUIT received.", "Received sigquit from a child proces"))
-        or _HIT_AN_EXCEPTION.match(msg) is not None
-    )
+def announces_death(line: str) -> bool:
+    """`line` as read (with its prefix): does SGLang say here that the server is dead?"""
+    m = _PREFIX.match(line)
+    return m is not None and _DEATH.match(line, m.end()) is not None
 
 
 def strip_prefix(line: str) -> str:
@@ -174,7 +182,7 @@ def parse_line(line: str) -> ParsedLine:
         find(Finding("health_failed", msg))
     if _EXCEPTION_LINE.match(msg) or _HIT_AN_EXCEPTION.match(msg):
         find(Finding("exception", msg))
-    out.death = announces_death(msg)
+    out.death = announces_death(line.strip())
     return out
 
 

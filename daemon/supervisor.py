@@ -80,6 +80,9 @@ S = ServerState
 log = structlog.get_logger("gpuwarden.supervisor")
 
 MAX_FINDINGS = 200
+# Findings logged this long before SGLang's death line are evidence of that death (its
+# scheduler watchdog logs the timeout, then waits 5 s before the SIGQUIT); older ones are not.
+DEATH_CONTEXT_S = 60.0
 PIPE_DRAIN_S = 0.2  # after an exit, how long to wait for the last output before classifying
 LAUNCH_HISTORY = 50
 # The owner handles a message in milliseconds; one taking this long means supervision is stuck
@@ -128,13 +131,18 @@ class Launch:
     ready_at: float | None = None
     ready_mono: float | None = None
     findings: list[Finding] = field(default_factory=list)
+    finding_times: list[float] = field(default_factory=list)  # monotonic, one per finding
     exited: bool = False
     returncode: int | None = None
     next: Next | None = None
     next_config: ResolvedConfig | None = None
     imposed: Classification | None = None
     announced: str | None = None  # SGLang's line saying the server died
+    # Where this exit's evidence starts in `findings`: DEATH_CONTEXT_S before SGLang's death
+    # line (a watchdog timeout, an OOM logged just before), not a request's error of hours ago.
+    death_at: int | None = None
     checking_listener: bool = False  # a readiness signal came; who listens is being asked
+    listener_rechecked: bool = False
     probe_failures: int = 0
     swap: Swap | None = None  # the swap this attempt belongs to
     rollback: bool = False  # this attempt is a rollback to the last good config
@@ -142,13 +150,18 @@ class Launch:
     rank_gpus: dict[int, list[int]] | None = None  # GPU -> pids of ours it held at ready
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
-    def add_findings(self, findings: list[Finding]) -> None:
+    def add_findings(self, findings: list[Finding], at: float) -> None:
         if len(self.findings) < MAX_FINDINGS:
             self.findings.extend(findings)
+            self.finding_times.extend([at] * len(findings))
         else:  # keep the first ones and the latest ones
             self.findings[MAX_FINDINGS // 2 :] = [
                 *self.findings[MAX_FINDINGS // 2 + len(findings) :],
                 *findings,
+            ]
+            self.finding_times[MAX_FINDINGS // 2 :] = [
+                *self.finding_times[MAX_FINDINGS // 2 + len(findings) :],
+                *([at] * len(findings)),
             ]
 
     def cancel_tasks(self) -> None:
@@ -1158,10 +1171,17 @@ class Supervisor:
         what changes state (the ready line) or status (decode metrics) is posted to the owner."""
         for listener in list(self.line_listeners):
             listener(lines)
+        now = time.monotonic()
         for text, result in parsed:
+            if result.death and launch.death_at is None:
+                since = now - DEATH_CONTEXT_S
+                launch.death_at = next(
+                    (i for i, t in enumerate(launch.finding_times) if t >= since),
+                    len(launch.findings),
+                )
             if result.findings:
                 launch.add_findings(
-                    [Finding(f.kind, launch.redactor.text(f.line)) for f in result.findings]
+                    [Finding(f.kind, launch.redactor.text(f.line)) for f in result.findings], now
                 )
             if result.ready or result.decode is not None or result.death:
                 self.post(LineParsed(launch.gen, result, text))
@@ -1189,9 +1209,11 @@ class Supervisor:
             return
         launch.announced = line
         self._event("death_announced", line=line)
-        if launch.next in (None, Next.RETRY):
-            # Our own reason for ending it (a probe, a timeout) is weaker than the server's word.
-            launch.next, launch.imposed = Next.RETRY, None
+        if launch.next is None:
+            # Not being stopped yet: a crash, retried by the policy. Already being stopped (on
+            # request, or by us for a timeout, a probe, a foreign listener), that reason stands:
+            # our SIGTERM may be what the line reports.
+            launch.next = Next.RETRY
         launch.cancel_tasks()
         if self.state != S.STOPPING:
             # STARTING | READY | UNHEALTHY -> STOPPING
@@ -1212,6 +1234,9 @@ class Supervisor:
         prints its ready line when its warm-up reached another server on its port, its own
         bind having failed). Ask who holds the health URL's socket first."""
         if launch.checking_listener or launch.child is None:
+            return
+        if not launch.config.config.health.check_listener:
+            self._became_ready(launch, how)
             return
         launch.checking_listener = True
         self._spawn(self._check_listener(launch, how), launch)
@@ -1235,6 +1260,13 @@ class Supervisor:
         check: ListenerCheck = msg.check
         if check.ours is False:
             self._end_for_retry(launch, "port_in_use", check.detail)  # STARTING -> STOPPING
+            return
+        if check.nothing_listens and msg.how != "ready line" and not launch.listener_rechecked:
+            # A 200, and then nobody listens: whoever answered may be gone. Not ready yet: probe
+            # again. A second time it is taken as "cannot tell" (a port forwarded by the kernel,
+            # as docker does without its proxy, has no listener here).
+            launch.listener_rechecked = True
+            self._spawn(self._probe_loop(launch, readiness=True), launch)
             return
         if check.ours is None and launch.config.name not in self._listener_warned:
             # Said once per config: the same reason holds for every launch of it.
@@ -1460,9 +1492,14 @@ class Supervisor:
             self.last_sweep_killed = msg.killed
             self._event("sweep", killed=msg.killed)
         requested = launch.next in (Next.STOP, Next.RELAUNCH, Next.SHUTDOWN)
+        # After SGLang's death line, what it logged before (a request's traceback hours ago)
+        # is no evidence of this exit.
+        findings = launch.findings
+        if launch.death_at is not None and launch.death_at < len(findings):
+            findings = findings[launch.death_at :]
         verdict = classify_exit(
             launch.returncode,
-            launch.findings,
+            findings,
             requested_stop=requested and launch.imposed is None,
             imposed=launch.imposed,
         )

@@ -202,6 +202,12 @@ NOT_DEATHS = [
     "[2026-12-02 10:00:01] Health check failed. Server couldn't get a response from detokenizer",
     '[2026-12-02 10:00:01] INFO:     127.0.0.1:5 - "GET /health HTTP/1.1" 200 OK',
     "[2026-12-02 10:00:01] user text: the scheduler hit an exception once, says the prompt",
+    # Text a client controls: a logged request, a traceback's continuation lines, no prefix.
+    "[2026-12-02 10:00:01] Receive: obj=GenerateReqInput(text='ERROR:    [Errno 98] error "
+    "while attempting to bind on address x SIGQUIT received. ')",
+    "SIGQUIT received. signum=None, frame=None. It usually means one child failed.",
+    "Scheduler hit an exception: Traceback (most recent call last):",
+    "RuntimeError: Subprocess scheduler_0 (pid=41) crashed with exit code -9.",
 ]
 
 

@@ -18,6 +18,14 @@ from tests.daemon_harness import Daemon, start_daemon
 
 from . import env as real_env
 
+RUNTIME_DIRS = {
+    "HOME": "home",
+    "XDG_CACHE_HOME": "xdg-cache",
+    "HF_HOME": "hf",
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "TRITON_CACHE_DIR": "triton",
+}
+
 # Loading takes 10-40 s here (imports, the engine, a warm-up round trip); more on a busy machine.
 STARTUP_S = 300.0
 
@@ -67,9 +75,14 @@ def sglang_config(
             **(args or {}),
         },
         "env": {
+            # The developer's own SGLang switches (a coredump wait, a forced shutdown) would
+            # change what is tested: unset (null) here.
+            **{k: None for k in os.environ if k.startswith(("SGLANG_", "SGL_"))},
             "SGLANG_USE_CPU_ENGINE": "1",  # without it SGLang takes GPU code paths
             "PYTHONPATH": str(real_env.STUBS),
             "HF_HUB_OFFLINE": "1",
+            # What SGLang, torch and the hub cache at run time stays in the environment's cache.
+            **{name: str(env / "runtime" / sub) for name, sub in RUNTIME_DIRS.items()},
             **(environ or {}),
         },
         "health": {"startup_timeout_s": STARTUP_S, "interval_s": 1, "timeout_s": 10},
