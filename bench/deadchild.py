@@ -31,6 +31,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.core import PY, Daemon, ts
+from tests.conftest import free_port
 from tests.real import env as real_env
 
 
@@ -56,14 +57,6 @@ def sglang_config(env: Path, port: int) -> dict[str, Any]:
         "env": {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(real_env.STUBS)},
         "health": {"startup_timeout_s": 600, "interval_s": 1, "timeout_s": 10},
     }
-
-
-def free_port() -> int:
-    import socket  # noqa: PLC0415
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def group_alive(pgid: int) -> bool:
