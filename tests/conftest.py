@@ -42,7 +42,8 @@ def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes of a process group."""
     members = []
     for proc in psutil.process_iter(["pid", "status"]):
-        with contextlib.suppress(psutil.Error):
+        # A process may end between the listing and getpgid (ProcessLookupError).
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
             if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
                 members.append(proc.pid)
     return members
