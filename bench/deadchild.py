@@ -30,33 +30,11 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.core import PY, Daemon, ts
+from bench.core import Daemon, ts
 from tests.conftest import free_port
+from tests.daemon_harness import standin_config
 from tests.real import env as real_env
-
-
-def standin_config(port: int) -> dict[str, Any]:
-    return {
-        "command": [PY, "-m", "gpuwarden.standin"],
-        "args": {"model-path": "fake-org/fake-model", "port": port, "standin-time-scale": 0.01},
-        "health": {"startup_timeout_s": 60, "interval_s": 0.2, "timeout_s": 2},
-    }
-
-
-def sglang_config(env: Path, port: int) -> dict[str, Any]:
-    return {
-        "command": [str(real_env.python_of(env)), "-m", "sglang.launch_server"],
-        "args": {
-            "model-path": str(real_env.model_of(env)),
-            "device": "cpu",
-            "host": "127.0.0.1",
-            "port": port,
-            "max-total-tokens": 8192,
-            "mem-fraction-static": 0.1,
-        },
-        "env": {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(real_env.STUBS)},
-        "health": {"startup_timeout_s": 600, "interval_s": 1, "timeout_s": 10},
-    }
+from tests.real.conftest import sglang_config
 
 
 def group_alive(pgid: int) -> bool:
@@ -135,15 +113,15 @@ def main() -> int:
     env = real_env.env_dir()
     with tempfile.TemporaryDirectory() as tmp:
         standin = (
-            rounds(standin_config(free_port()), args.rounds_standin, Path(tmp), "stand-in")
+            rounds(standin_config(port=free_port()), args.rounds_standin, Path(tmp), "stand-in")
             if args.rounds_standin
             else []
         )
-        if real_env.is_complete(env):
+        real: list[dict[str, float]] = []
+        if args.rounds_real and real_env.is_complete(env):
             real = rounds(sglang_config(env, free_port()), args.rounds_real, Path(tmp), "sglang")
-        else:
+        elif args.rounds_real:
             print(f"the real SGLang environment is not built ({env}): `make test-real` builds it")
-            real = []
     cpu = platform.processor() or platform.machine()
     lines = [
         "# A dead detokenizer: SGLang's crash line -> group gone -> next exec",

@@ -1217,7 +1217,9 @@ class Supervisor:
         launch.cancel_tasks()
         if self.state != S.STOPPING:
             # STARTING | READY | UNHEALTHY -> STOPPING
-            self._transition(S.STOPPING, next=str(launch.next), reason="crash", detail=line)
+            self._transition(
+                S.STOPPING, next=str(launch.next), reason="death_announced", detail=line
+            )
         launch.child.kill_group()
 
     def _on_probe_ok(self, msg: ProbeSucceeded) -> None:
