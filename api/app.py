@@ -26,7 +26,7 @@ from gpuwarden.api import (
 from gpuwarden.api.auth import bearer, read_token
 from gpuwarden.api.guard import Guard, policy_for
 from gpuwarden.api.models import errors
-from gpuwarden.daemon.serverlog import LogFeed
+from gpuwarden.daemon.launchlog import LogFeed
 from gpuwarden.daemon.settings import Settings
 from gpuwarden.daemon.supervisor import CommandError, Supervisor
 from gpuwarden.daemon.sweep import SweepManager

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from gpuwarden.api.deps import SupervisorDep
 from gpuwarden.api.models import errors
-from gpuwarden.daemon.serverlog import LogFeed
+from gpuwarden.daemon.launchlog import LogFeed
 from gpuwarden.daemon.states import ServerState
 from gpuwarden.daemon.supervisor import Supervisor
 

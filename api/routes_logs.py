@@ -16,7 +16,8 @@ from starlette.types import Receive, Scope, Send
 
 from gpuwarden.api.deps import SettingsDep, SupervisorDep
 from gpuwarden.api.models import errors
-from gpuwarden.daemon.serverlog import LogCursor, LogFeed, read_tail
+from gpuwarden.daemon.launchlog import LogCursor, LogFeed
+from gpuwarden.daemon.logfiles import read_tail
 from gpuwarden.daemon.supervisor import CommandError, Supervisor
 
 router = APIRouter(tags=["logs"])

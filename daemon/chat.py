@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuwarden.daemon.gpu import render_gpu_table
-from gpuwarden.daemon.serverlog import parse_line, read_tail, strip_prefix
+
+from .logfiles import read_tail
+from .sglanglines import parse_line, strip_prefix
 
 if TYPE_CHECKING:
     from gpuwarden.daemon.supervisor import Supervisor

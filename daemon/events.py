@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwarden.daemon.serverlog import ParsedLine
+from .sglanglines import ParsedLine
 
 
 def _future() -> asyncio.Future[Any]:

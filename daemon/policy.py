@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from tenacity import RetryCallState, wait_exponential
 
-from gpuwarden.daemon.serverlog import Finding
 from gpuwarden.daemon.settings import RestartPolicy
+
+from .sglanglines import Finding
 
 REASONS = (
     "requested_stop",

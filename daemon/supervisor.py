@@ -59,20 +59,14 @@ from gpuwarden.daemon.events import (
 )
 from gpuwarden.daemon.gpu import GpuBackend, GpuSnapshot, busy_gpus, describe_busy
 from gpuwarden.daemon.health import HttpProber, Prober
+from gpuwarden.daemon.launchlog import LaunchLog, LogUnwritable
 from gpuwarden.daemon.listener import ListenerCheck, check_listener
+from gpuwarden.daemon.logfiles import prune_logs
 from gpuwarden.daemon.policy import NOT_RETRIED, Classification, backoff_delay, classify_exit
 from gpuwarden.daemon.preflight import Preflight, PreflightResult
 from gpuwarden.daemon.redact import Redactor
-from gpuwarden.daemon.serverlog import (
-    Finding,
-    LaunchLog,
-    LogUnwritable,
-    ParsedLine,
-    decode_metrics,
-    prune_logs,
-    strip_prefix,
-)
 from gpuwarden.daemon.settings import Settings
+from gpuwarden.daemon.sglanglines import Finding, ParsedLine, decode_metrics, strip_prefix
 from gpuwarden.daemon.states import RUNNING_STATES, ServerState, check_transition
 from gpuwarden.daemon.store import EventLog, StateStore
 

@@ -25,9 +25,10 @@ import httpx
 import structlog
 
 from gpuwarden.daemon.load import LoadSpec, run_load
-from gpuwarden.daemon.serverlog import parse_line
 from gpuwarden.daemon.states import ServerState
 from gpuwarden.daemon.supervisor import CommandError, Supervisor
+
+from .sglanglines import parse_line
 
 log = structlog.get_logger("gpuwarden.sweep")
 

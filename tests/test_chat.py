@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from gpuwarden.daemon.chat import mark, matches_trigger
-from gpuwarden.daemon.serverlog import parse_line
+from gpuwarden.daemon.sglanglines import parse_line
 from gpuwarden.standin import cli as standin_cli
 from gpuwarden.standin.server import server_args_repr
 

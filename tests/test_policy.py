@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from gpuwarden.daemon.policy import Classification, backoff_delay, classify_exit
-from gpuwarden.daemon.serverlog import Finding
 from gpuwarden.daemon.settings import RestartPolicy
+from gpuwarden.daemon.sglanglines import Finding
 
 
 def test_backoff_follows_the_contract_formula() -> None:

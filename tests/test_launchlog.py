@@ -11,17 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuwarden.daemon.configs import ConfigStore, redacted_header_lines
-from gpuwarden.daemon.serverlog import (
-    LaunchLog,
-    LogCursor,
-    LogFeed,
-    LogUnwritable,
-    ParsedLine,
-    Ring,
-    parse_line,
-    prune_logs,
-    read_tail,
-)
+from gpuwarden.daemon.launchlog import LaunchLog, LogCursor, LogFeed, LogUnwritable, Ring
+from gpuwarden.daemon.logfiles import prune_logs, read_tail
+from gpuwarden.daemon.sglanglines import ParsedLine, parse_line
 
 DECODE = {
     "0.4.10": "[2025-01-01 00:00:00 TP0] Decode batch. #running-req: 1, #token: 86, token usage: 0.00, "

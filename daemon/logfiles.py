@@ -1,0 +1,53 @@
+"""Launch logs on disk once written: reading a file's last lines, and retention.
+
+`read_tail` serves `/logs` for an earlier launch and the crash dump; `prune_logs` keeps the
+newest launches' files within the `log_retention` limits, never removing a protected one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from .launchlog import collapse_cr
+
+
+def read_tail(path: Path, lines: int, max_bytes: int = 4 * 1024 * 1024) -> list[str]:
+    """The last `lines` lines of a log file (for launches whose ring is gone)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+    except OSError:
+        return []
+    text = data.decode("utf-8", errors="replace").splitlines()
+    return [collapse_cr(t) for t in text[-lines:]] if lines > 0 else []
+
+
+# -- retention ------------------------------------------------------------------------------------
+
+
+def prune_logs(log_dir: Path, keep_launches: int, max_bytes: int, protect: set[str]) -> list[Path]:
+    """Delete the oldest launch logs beyond the limits; never those named in `protect`."""
+    files: list[tuple[str, Path, int]] = []
+    for path in log_dir.glob("*/*.log"):
+        with contextlib.suppress(OSError):
+            files.append((path.stem, path, path.stat().st_size))
+    files.sort()  # launch ids sort by time
+    total = sum(size for _, _, size in files)
+    count = len(files)
+    removed: list[Path] = []
+    for launch_id, path, size in files:
+        if count <= keep_launches and total <= max_bytes:
+            break
+        if launch_id in protect:
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path)
+            count -= 1
+            total -= size
+    return removed
