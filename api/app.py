@@ -26,10 +26,21 @@ from gpuwarden.api import (
 from gpuwarden.api.auth import bearer, read_token
 from gpuwarden.api.guard import Guard, policy_for
 from gpuwarden.api.models import errors
+from gpuwarden.daemon import errors as refusals
+from gpuwarden.daemon.errors import CommandError
 from gpuwarden.daemon.launchlog import LogFeed
 from gpuwarden.daemon.settings import Settings
-from gpuwarden.daemon.supervisor import CommandError, Supervisor
+from gpuwarden.daemon.supervisor import Supervisor
 from gpuwarden.daemon.sweep import SweepManager
+
+# The core refuses by kind; this is the one place a kind becomes an HTTP status.
+HTTP_STATUS = {
+    refusals.BAD_REQUEST: 400,
+    refusals.NOT_FOUND: 404,
+    refusals.CONFLICT: 409,
+    refusals.INVALID_CONFIG: 422,
+    refusals.PREFLIGHT_REFUSED: 422,
+}
 
 
 def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
@@ -69,7 +80,7 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
     @app.exception_handler(CommandError)
     async def command_error(request: Request, exc: CommandError) -> JSONResponse:
         return JSONResponse(
-            {**error_body(exc.error, exc.detail), **exc.extra}, status_code=exc.status
+            {**error_body(exc.error, exc.detail), **exc.extra}, status_code=HTTP_STATUS[exc.error]
         )
 
     @app.exception_handler(StarletteHTTPException)

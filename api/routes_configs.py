@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from gpuwarden.api.deps import SupervisorDep
 from gpuwarden.api.models import ConfigName, errors
 from gpuwarden.daemon.configs import ConfigError
-from gpuwarden.daemon.supervisor import CommandError
+from gpuwarden.daemon.errors import config_refusal
 
 router = APIRouter(tags=["configs"])
 
@@ -34,8 +34,8 @@ class CheckResult(BaseModel):
 async def list_configs(supervisor: SupervisorDep) -> ConfigList:
     return ConfigList(
         configs=supervisor.configs.names(),
-        current=supervisor.intent_config,
-        last_good=supervisor.last_good_config,
+        current=supervisor.snapshot().intent_config,
+        last_good=supervisor.snapshot().last_good_config,
     )
 
 
@@ -49,13 +49,7 @@ async def get_config(name: ConfigName, supervisor: SupervisorDep) -> dict[str, A
         # Off the loop: a large config must not stall the daemon while it is parsed.
         return (await asyncio.to_thread(supervisor.configs.load, name)).view()
     except ConfigError as exc:
-        raise CommandError(
-            exc.status,
-            "invalid_config"
-            if exc.status == 422
-            else ("not_found" if exc.status == 404 else "bad_request"),
-            str(exc),
-        ) from exc
+        raise config_refusal(exc) from exc
 
 
 @router.post(

@@ -43,7 +43,6 @@ async def start(supervisor: SupervisorDep, config: ConfigParam = None) -> Accept
     responses=errors(401),
 )
 async def stop(request: Request, supervisor: SupervisorDep) -> Accepted:
-    await request.app.state.sweeps.cancel_for_stop()  # stop wins over a sweep
     return Accepted(**await supervisor.stop())
 
 

@@ -46,7 +46,7 @@ class SupervisorCollector(Collector):
         self.feed = feed
 
     def collect(self) -> Iterator[Metric]:
-        sup = self.sup
+        sup = self.sup.snapshot()
         state = GaugeMetricFamily(
             "gpuwarden_state", "1 for the server's current state", labels=["state"]
         )
@@ -78,7 +78,7 @@ class SupervisorCollector(Collector):
         yield GaugeMetricFamily(
             "gpuwarden_supervising",
             "1 while supervision works; 0 when stuck (the systemd watchdog is not fed)",
-            value=1.0 if sup.stuck() is None else 0.0,
+            value=1.0 if self.sup.stuck() is None else 0.0,
         )
         yield GaugeMetricFamily(
             "gpuwarden_consecutive_failures", "Failures in a row", value=sup.failures
@@ -90,7 +90,7 @@ class SupervisorCollector(Collector):
             yield GaugeMetricFamily(
                 "gpuwarden_log_streams", "/logs/stream clients open now", value=self.feed.readers
             )
-        status = sup.status()
+        status = self.sup.status()
         if status["uptime_s"] is not None:
             yield GaugeMetricFamily(
                 "gpuwarden_server_uptime_seconds", "Time since ready", value=status["uptime_s"]

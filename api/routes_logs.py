@@ -16,9 +16,12 @@ from starlette.types import Receive, Scope, Send
 
 from gpuwarden.api.deps import SettingsDep, SupervisorDep
 from gpuwarden.api.models import errors
+from gpuwarden.daemon import history as launches
+from gpuwarden.daemon import views
+from gpuwarden.daemon.errors import CommandError
 from gpuwarden.daemon.launchlog import LogCursor, LogFeed
 from gpuwarden.daemon.logfiles import read_tail
-from gpuwarden.daemon.supervisor import CommandError, Supervisor
+from gpuwarden.daemon.supervisor import Supervisor
 
 router = APIRouter(tags=["logs"])
 log = structlog.get_logger("gpuwarden.api")
@@ -36,28 +39,23 @@ class LogTail(BaseModel):
 
 def _launch_record(supervisor: Supervisor, launch: str | None) -> dict[str, Any] | None:
     """None: the current launch. 'previous': the one before it. Else by id."""
-    history = supervisor.launch_history
-    current = supervisor.launch.launch_id if supervisor.launch else None
-    if launch is None:
-        return None
-    if launch == "previous":
-        earlier = [h for h in history if h["launch_id"] != current]
-        if not earlier:
-            raise CommandError(404, "not_found", "no previous launch")
-        record: dict[str, Any] = earlier[-1]
-        return record
-    if launch == current:
+    snap = supervisor.snapshot()
+    if launch is None or launch == snap.launch_id:
         return None  # served from the ring
-    for h in reversed(history):
-        if h["launch_id"] == launch:
-            found: dict[str, Any] = h
-            return found
+    if launch == "previous":
+        earlier = launches.previous(snap.history, snap.launch_id)
+        if earlier is None:
+            raise CommandError("not_found", "no previous launch")
+        return dict(earlier)
+    found = launches.find(snap.history, launch)
+    if found is not None:
+        return dict(found)
     # Older than the history kept in state.json, or from a state file since lost: a launch whose
     # log file exists is found by its id (validated: it names a file, never a path).
     if LAUNCH_ID_RE.match(launch):
         for path in sorted(supervisor.settings.log_dir.glob(f"*/{launch}.log")):
             return {"launch_id": launch, "config": path.parent.name, "log_file": str(path)}
-    raise CommandError(404, "not_found", f"unknown launch {launch!r}")
+    raise CommandError("not_found", f"unknown launch {launch!r}")
 
 
 LAUNCH_ID_RE = re.compile(r"^\d{8}T\d{6}-\d{6}$")
@@ -75,20 +73,20 @@ async def logs(
 ) -> LogTail:
     record = _launch_record(supervisor, launch)
     if record is None:
-        current = supervisor.launch
-        if current is None or current.log is None:
+        snap = supervisor.snapshot()
+        if snap.log is None:
             return LogTail(
                 launch_id=None,
-                config=supervisor.intent_config,
+                config=snap.intent_config,
                 log_file=None,
                 lines=[],
                 note="no launch has produced a log yet",
             )
         return LogTail(
-            launch_id=current.launch_id,
-            config=current.config.name,
-            log_file=str(current.log.path),
-            lines=supervisor.ring_lines(lines),
+            launch_id=snap.launch_id,
+            config=snap.launch_config,
+            log_file=str(snap.log.path),
+            lines=views.ring_lines(snap, lines),
         )
     redactor = supervisor.redactor_for(record.get("config"))
     path = record.get("log_file")
@@ -121,7 +119,7 @@ async def stream(
     history: Annotated[int, Query(ge=0, le=10000)] = 0,
 ) -> EventSourceResponse:
     feed: LogFeed = request.app.state.log_feed
-    cursor = LogCursor(lambda: supervisor.launch.log if supervisor.launch else None, history)
+    cursor = LogCursor(lambda: supervisor.snapshot().log, history)
 
     async def events() -> AsyncIterator[bytes]:
         with feed.reading():

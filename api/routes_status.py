@@ -34,7 +34,7 @@ async def healthz(supervisor: SupervisorDep) -> Any:
     responses=errors(503),
 )
 async def readyz(supervisor: SupervisorDep) -> Any:
-    state = supervisor.state
+    state = supervisor.snapshot().state
     if state == ServerState.READY:
         return {"ok": True, "state": str(state)}
     return JSONResponse(

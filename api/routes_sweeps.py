@@ -9,8 +9,8 @@ from fastapi.responses import FileResponse, PlainTextResponse
 from pydantic import BaseModel, Field
 
 from gpuwarden.api.models import ConfigItem, SweepId, errors
+from gpuwarden.daemon.errors import CommandError
 from gpuwarden.daemon.load import LoadSpec
-from gpuwarden.daemon.supervisor import CommandError
 from gpuwarden.daemon.sweep import Sweep, SweepManager
 
 router = APIRouter(tags=["sweeps"])
@@ -34,7 +34,7 @@ def _manager(request: Request) -> SweepManager:
 def _get(request: Request, sweep_id: str) -> Sweep:
     sweep = _manager(request).sweeps.get(sweep_id)
     if sweep is None:
-        raise CommandError(404, "not_found", f"unknown sweep {sweep_id!r}")
+        raise CommandError("not_found", f"unknown sweep {sweep_id!r}")
     return sweep
 
 
@@ -74,7 +74,7 @@ async def cancel_sweep(request: Request, sweep_id: SweepId) -> dict[str, Any]:
 def _file(request: Request, sweep_id: str, name: str) -> Any:
     path = _get(request, sweep_id).folder / name
     if not path.exists():
-        raise CommandError(404, "not_found", f"{name} is not written yet")
+        raise CommandError("not_found", f"{name} is not written yet")
     return path
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuwarden.daemon.gpu import render_gpu_table
 
+from . import history, views
 from .logfiles import read_tail
 from .sglanglines import parse_line, strip_prefix
 
@@ -114,25 +115,23 @@ class Dump:
 
 def build_dump(sup: Supervisor, why: str = "requested") -> Dump:
     st = sup.status()
+    snap = sup.snapshot()
     last = st.get("last_exit")
     failed_launch = (last or {}).get("launch_id")
-    record = next(
-        (h for h in reversed(sup.launch_history) if h["launch_id"] == failed_launch), None
-    )
-    current = sup.launch
+    record = history.find(snap.history, failed_launch)
     tail: list[str] = []
     source = None
-    if current is not None and current.launch_id == failed_launch and current.log is not None:
-        tail = sup.ring_lines(TAIL_LINES)
-        source = str(current.log.path)
+    if snap.log is not None and snap.launch_id == failed_launch:
+        tail = views.ring_lines(snap, TAIL_LINES)
+        source = str(snap.log.path)
     elif record and record.get("log_file"):
         redactor = sup.redactor_for(record.get("config"))
         tail = [redactor.text(t) for t in read_tail(Path(record["log_file"]), TAIL_LINES)]
         source = record["log_file"]
-    elif current is not None and current.log is not None:
-        tail = sup.ring_lines(TAIL_LINES)
-        source = str(current.log.path)
-    no_log = _no_log_reason(last, bool(sup.launch_history) or current is not None)
+    elif snap.log is not None:
+        tail = views.ring_lines(snap, TAIL_LINES)
+        source = str(snap.log.path)
+    no_log = _no_log_reason(last, bool(snap.history) or snap.launch_config is not None)
     if not tail and no_log is None:
         no_log = "the log is empty"
     failed_config = (record or {}).get("config") or (st.get("rolled_back_from") or st.get("config"))

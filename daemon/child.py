@@ -49,6 +49,11 @@ def owned(pid: int) -> Iterator[None]:
         _OWNED.discard(pid)
 
 
+def helper_pids() -> frozenset[int]:
+    """Children of ours that are helpers (an introspection, a benchmark), not a server."""
+    return frozenset(_OWNED)
+
+
 def boot_id() -> str:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -342,3 +347,16 @@ async def kill_leftovers(leftovers: list[Leftover], timeout_s: float = 5.0) -> l
         await asyncio.sleep(0.005)
     reap_orphans()
     return killed
+
+
+async def stop_foreign(pid: int, create_time: float | None, pgid: int, grace_s: float) -> None:
+    """Stop a server group that is not our child (a previous life of the daemon left it):
+    SIGTERM to its main process, up to `grace_s` for it to go, then SIGKILL to the group."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    # Not our child: its death is no event we can await.
+    while time.monotonic() < deadline and is_alive(pid, create_time):  # noqa: ASYNC110
+        await asyncio.sleep(0.02)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

@@ -160,6 +160,10 @@ class Redactor:
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         self._secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
 
+    @property
+    def secrets(self) -> list[str]:
+        return list(self._secrets)
+
     def add(self, secrets: Iterable[str]) -> None:
         self._secrets = sorted({*self._secrets, *(s for s in secrets if s)}, key=len, reverse=True)
 

@@ -24,9 +24,10 @@ from typing import Any
 import httpx
 import structlog
 
+from gpuwarden.daemon import history
+from gpuwarden.daemon.errors import CommandError, config_refusal
 from gpuwarden.daemon.load import LoadSpec, run_load
-from gpuwarden.daemon.states import ServerState
-from gpuwarden.daemon.supervisor import CommandError, Supervisor
+from gpuwarden.daemon.supervisor import Supervisor
 
 from .sglanglines import parse_line
 
@@ -80,12 +81,12 @@ class SweepManager:
         load: LoadSpec | None = None,
     ) -> Sweep:
         if not configs:
-            raise CommandError(400, "bad_request", "a sweep needs at least one config")
+            raise CommandError("bad_request", "a sweep needs at least one config")
         if self.active is not None and self.active.state == "running":
-            raise CommandError(409, "conflict", f"sweep {self.active.id} is under way")
-        swap = self.sup.swap
-        if swap is not None and swap.active:
-            raise CommandError(409, "conflict", f"swap {swap.id} is under way")
+            raise CommandError("conflict", f"sweep {self.active.id} is under way")
+        swap = self.sup.snapshot().swap
+        if swap is not None:
+            raise CommandError("conflict", f"swap {swap['id']} is under way")
         for name in {*configs, *(x for x in (baseline, end_on) if x)}:
             self._exists(name)
         sweep_id = time.strftime("sweep-%Y%m%dT%H%M%S", time.gmtime())
@@ -103,8 +104,7 @@ class SweepManager:
         )
         self.sweeps[sweep_id] = sweep
         self.active = sweep
-        self.sup.active_sweep = sweep_id
-        self.sup.sweep_view = sweep.view
+        self.sup.sweep_began(sweep_id, sweep.view, self.cancel_for_stop)
         sweep.task = asyncio.get_running_loop().create_task(self._run(sweep))
         self.sup.post_event("sweep_started", sweep_id=sweep_id, configs=configs)
         return sweep
@@ -115,14 +115,12 @@ class SweepManager:
         try:
             self.sup.configs.path_of(name)
         except ConfigError as exc:
-            raise CommandError(
-                exc.status, "not_found" if exc.status == 404 else "bad_request", str(exc)
-            ) from exc
+            raise config_refusal(exc) from exc
 
     async def cancel(self, sweep_id: str, restore: bool = True) -> Sweep:
         sweep = self.sweeps.get(sweep_id)
         if sweep is None:
-            raise CommandError(404, "not_found", f"unknown sweep {sweep_id!r}")
+            raise CommandError("not_found", f"unknown sweep {sweep_id!r}")
         if sweep.state == "running" and sweep.task is not None:
             sweep.state = "cancelled"
             sweep.task.cancel()
@@ -141,7 +139,8 @@ class SweepManager:
 
     async def _run(self, sweep: Sweep) -> None:
         sup = self.sup
-        sweep.original = sup.intent_config if sup.intent_running else None
+        snap = sup.snapshot()
+        sweep.original = snap.intent_config if snap.intent_running else None
         try:
             for name in sweep.configs:
                 sweep.current = name
@@ -171,22 +170,24 @@ class SweepManager:
                 "sweep_finished", sweep_id=sweep.id, state=sweep.state, winner=sweep.winner
             )
             if self.active is sweep:
-                sup.active_sweep = None
+                sup.sweep_ended(sweep.id)
 
     async def _one(self, sweep: Sweep, name: str) -> dict[str, Any]:
         sup = self.sup
         row: dict[str, Any] = {"config": name}
         try:
-            if not (sup.state == ServerState.READY and sup._current_config() == name):
-                outcome = await sup.restart(name, wait=True, sweep_id=sweep.id)
-                if outcome["outcome"] != "ready":
-                    return {
-                        **row,
-                        "status": outcome["outcome"],
-                        "reason": outcome["reason"],
-                        "evidence": outcome["evidence"],
-                        "log": self._log_of(outcome, name),
-                    }
+            outcome = await sup.restart(name, wait=True, sweep_id=sweep.id, ensure=True)
+            if outcome["outcome"] != "ready":
+                return {
+                    **row,
+                    "status": outcome["outcome"],
+                    "reason": outcome["reason"],
+                    "evidence": outcome["evidence"],
+                    # The row's own launch's log, not the rollback's that followed it.
+                    "log": history.log_of(
+                        sup.snapshot().history, outcome.get("launch_ids") or [], name
+                    ),
+                }
         except CommandError as exc:
             reason = exc.error if exc.error != "invalid_config" else "config_error"
             return {
@@ -226,24 +227,15 @@ class SweepManager:
             "server_gen_tok_s": statistics.median(gen) if gen else None,
             "server_accept_len": statistics.fmean(acc) if acc else None,
             "avg_spec_accept_length": info_accept,
-            "launch_id": sup.launch.launch_id if sup.launch else None,
+            "launch_id": sup.snapshot().launch_id,
         }
-
-    def _log_of(self, outcome: dict[str, Any], config: str) -> str | None:
-        """The log of the row's own last launch (not of the rollback that followed it)."""
-        for launch_id in reversed(outcome.get("launch_ids") or []):
-            for h in self.sup.launch_history:
-                if h["launch_id"] == launch_id and h.get("config") == config:
-                    return str(h.get("log_file"))
-        return None
 
     async def _restore(self, sweep: Sweep) -> None:
         target = sweep.end_on or sweep.original
         if not target:
             return
         with contextlib.suppress(CommandError):
-            if not (self.sup.state == ServerState.READY and self.sup._current_config() == target):
-                await self.sup.restart(target, wait=True, sweep_id=sweep.id)
+            await self.sup.restart(target, wait=True, sweep_id=sweep.id, ensure=True)
             sweep.restored = target
         self.sup.post_event("sweep_restored", sweep_id=sweep.id, config=target)
 

@@ -411,7 +411,10 @@ def test_log_dir_not_writable(procs, tmp_path: Path, fake_gpu: Path) -> None:  #
     wait_recorded(tmp_path, "the log_unwritable exit", has_exit("log_unwritable"))
     state = tmp_path / "state" / "state.json"
     wait_until(  # written off the loop, after the message that changed it
-        lambda: json.loads(state.read_text())["intent"] == {"config": "f", "running": True},
+        lambda: (
+            state.exists()
+            and json.loads(state.read_text())["intent"] == {"config": "f", "running": True}
+        ),
         10,
         "the intent in state.json",
     )

@@ -148,7 +148,7 @@ async def test_the_supervisor_survives_nvml_errors(tmp_path: Path, fake_gpu: Pat
         await sup.wait_for_state(S.READY, timeout=20)
         stub.fail = True
         await sup.wait_for(lambda s: s.status()["gpu_error"] == "NVML: Unknown Error", 10)
-        assert sup.state == S.READY
+        assert sup.machine.state == S.READY
         assert sup.status()["gpus"][0]["uuid"] == "GPU-1234"
     finally:
         await sup.shutdown()

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuwarden.daemon import views
 from gpuwarden.daemon.gpu import FakeGpuBackend
 from gpuwarden.daemon.health import ProbeResult
 from gpuwarden.daemon.launchlog import RING_BYTES, RING_LINES
@@ -175,13 +176,13 @@ async def test_crash_after_ready_backs_off_with_growing_delays_then_resets_after
         for n in (1, 2, 3):
             await sup.wait_for_state(S.BACKOFF, timeout=20)
             delay = backoff_delay(settings, n, expected)
-            assert sup.next_retry_at == pytest.approx(clock.time() + delay)
-            assert sup.failures == n
+            assert sup.machine.next_retry_at == pytest.approx(clock.time() + delay)
+            assert sup.machine.failures == n
             assert 10 * 2 ** (n - 1) * 0.8 <= delay <= 10 * 2 ** (n - 1) * 1.2
-            assert sup.crash_loop is (n >= 3)
+            assert sup.machine.crash_loop is (n >= 3)
             clock.advance(delay - 0.01)
             await settle()
-            assert sup.state == S.BACKOFF  # not a moment early
+            assert sup.machine.state == S.BACKOFF  # not a moment early
             stable = standin_config()
             stable["args"]["port"] = flaky["args"]["port"]
             if n == 3:  # the operator fixes the config; the next attempt reads it
@@ -189,13 +190,13 @@ async def test_crash_after_ready_backs_off_with_growing_delays_then_resets_after
             clock.advance(0.02)
             await sup.wait_for_state(S.STARTING, S.WAITING_GPU, timeout=5)
         await sup.wait_for_state(S.READY, timeout=20)
-        assert sup.failures == 3 and sup.restarts == 3
+        assert sup.machine.failures == 3 and sup.machine.restarts == 3
         clock.advance(599)
         await settle()
-        assert sup.failures == 3
+        assert sup.machine.failures == 3
         clock.advance(1.5)
-        await sup.wait_for(lambda s: s.failures == 0, 5)
-        assert sup.crash_loop is False
+        await sup.wait_for(lambda s: s.machine.failures == 0, 5)
+        assert sup.machine.crash_loop is False
         assert events(sup, "failures_reset")
 
 
@@ -209,8 +210,8 @@ async def test_max_failures_ends_in_failed(tmp_path: Path, fake_gpu: Path) -> No
     ) as sup:
         await sup.start("oom")
         await sup.wait_for_state(S.FAILED, timeout=30)
-        assert sup.failures == 2
-        assert sup.last_exit is not None and sup.last_exit["reason"] == "cuda_oom"
+        assert sup.machine.failures == 2
+        assert sup.machine.last_exit is not None and sup.machine.last_exit["reason"] == "cuda_oom"
 
 
 # -- every reason, from the stand-in's real output --------------------------------------------------
@@ -312,7 +313,7 @@ async def test_each_reason_is_recognised_from_real_output(
         exit_event = await wait_event(sup, "exit", timeout=30)
         assert exit_event["reason"] == reason, exit_event
         assert evidence in exit_event["evidence"]
-        assert sup.last_exit is not None and sup.last_exit["reason"] == reason
+        assert sup.machine.last_exit is not None and sup.machine.last_exit["reason"] == reason
 
 
 async def test_port_in_use_is_recognised(tmp_path: Path, fake_gpu: Path) -> None:
@@ -334,10 +335,10 @@ async def test_external_sigkill_is_a_signal_exit(tmp_path: Path, fake_gpu: Path)
     async with running(tmp_path, fake_gpu, {"k": standin_config()}) as sup:
         await sup.start("k")
         await sup.wait_for_state(S.READY, timeout=20)
-        assert sup.launch is not None and sup.launch.child is not None
+        assert sup.machine.launch is not None and sup.machine.launch.child is not None
         import os  # noqa: PLC0415
 
-        os.kill(sup.launch.child.pid, signal.SIGKILL)
+        os.kill(sup.machine.launch.child.pid, signal.SIGKILL)
         ex = await wait_event(sup, "exit")
         assert ex["reason"] == "signal"
         assert ex["evidence"] == "killed by SIGKILL (possible OOM kill)"
@@ -358,7 +359,7 @@ async def test_log_dir_through_a_regular_file_is_log_unwritable(
         ex = await wait_event(sup, "exit")
         assert ex["reason"] == "log_unwritable"
         assert "cannot create the log" in ex["evidence"]
-        assert sup.state in (S.BACKOFF, S.WAITING_GPU, S.FAILED)
+        assert sup.machine.state in (S.BACKOFF, S.WAITING_GPU, S.FAILED)
         assert not events(sup, "launch")  # nothing was started without a log
 
 
@@ -389,7 +390,7 @@ async def test_launch_waits_for_gpu_memory_then_starts(
     ) as sup:
         await sup.start("c")
         await wait_event(sup, "gpu_wait")
-        assert sup.state == S.WAITING_GPU
+        assert sup.machine.state == S.WAITING_GPU
         holder.signal(signal.SIGTERM)
         await sup.wait_for_state(S.STARTING, S.READY, timeout=10)
 
@@ -402,7 +403,7 @@ async def test_stop_during_backoff_goes_straight_to_stopped(tmp_path: Path, fake
         await sup.start("c")
         await sup.wait_for_state(S.BACKOFF, timeout=20)
         await sup.stop()
-        assert sup.state == S.STOPPED
+        assert sup.machine.state == S.STOPPED
         transitions = [(e["from"], e["to"]) for e in events(sup, "state")]
         assert transitions[-1] == ("backoff", "stopped")
 
@@ -428,8 +429,8 @@ async def test_flood_of_a_million_lines_reaches_the_file_with_the_ring_capped(
         done = line_seen(sup, "flood done")
         await sup.start("f")
         await sup.wait_for_state(S.READY, timeout=20)
-        assert sup.launch is not None and sup.launch.log is not None
-        log = sup.launch.log
+        assert sup.machine.launch is not None and sup.machine.launch.log is not None
+        log = sup.machine.launch.log
 
         await asyncio.wait_for(done.wait(), 120)
         await sup.stop()
@@ -448,11 +449,11 @@ async def test_arbitrary_output_never_breaks_supervision(tmp_path: Path, fake_gp
         await sup.start("b")
         await sup.wait_for_state(S.READY, timeout=20)
         await asyncio.wait_for(seen.wait(), 20)
-        lines = sup.ring_lines(50)
+        lines = views.ring_lines(sup.snapshot(), 50)
         assert any("invalid bytes: \ufffd\ufffd" in line for line in lines)
         long_line = next(line for line in lines if "long line" in line)
         assert long_line.endswith("[truncated; the log file has the whole line]")
-        assert sup.state == S.READY
+        assert sup.machine.state == S.READY
 
 
 # -- supervision never wedges ----------------------------------------------------------------------
@@ -482,14 +483,14 @@ async def test_a_helper_task_past_its_deadline_is_stuck_supervision(
     write_configs(tmp_path, {"f": standin_config()})
     gpu = WedgingGpu(fake_gpu)
     sup = Supervisor(make_settings(tmp_path, default_config="f"), gpu, preflight=PassPreflight())
-    sup.sweep_deadline_s = 0.5
+    sup.host.sweep_deadline_s = 0.5
     task = asyncio.create_task(sup.run())
     try:
         await sup.wait_for_state(S.READY, timeout=30)
         assert sup.stuck() is None
         gpu.wedge.set()
-        assert sup.launch is not None and sup.launch.child is not None
-        sup.launch.child.kill_group()
+        assert sup.machine.launch is not None and sup.machine.launch.child is not None
+        sup.machine.launch.child.kill_group()
         await sup.wait_for_state(S.STOPPING)
         await asyncio.wait_for(_until(lambda: sup.stuck() is not None), 10)
         assert "after_exit task is" in (sup.stuck() or "")

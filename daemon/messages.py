@@ -1,4 +1,5 @@
-"""Messages to the supervisor's owner task.
+"""The messages of the supervisor's inbox: commands (past-participle requests) and what helper
+tasks report (past tense). An "event" is something else: a record in events.jsonl.
 
 Commands carry a reply future; internal events carry the launch generation they belong to, so
 a timer or probe of an earlier launch that fires late is dropped.
@@ -28,6 +29,7 @@ class StartRequested:
     preflight: Any = None  # a PreflightResult, checked before the message was posted
     resolved: Any = None  # the ResolvedConfig, read off the owner before the message was posted
     ticket: int = 0  # when it was asked for: a stop asked for later cancels it
+    last_good: Any = None  # a resumed swap's rollback config, read ahead like `resolved`
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class RestartRequested:
     sweep_id: str | None = None  # a sweep's own swaps pass its 409
     resolved: Any = None
     ticket: int = 0
+    # The last good config, read ahead: what a failed swap rolls back to when nothing serves.
+    last_good: Any = None
+    ensure: bool = False  # nothing to do when this config is already ready (a sweep's step)
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,25 @@ class ShutdownRequested:
 
 
 # -- internal events ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spawned:
+    """The launch's log was created and its server executed."""
+
+    gen: int
+    child: Any  # child.ChildProcess
+    log: Any  # launchlog.LaunchLog
+
+
+@dataclass(frozen=True)
+class SpawnFailed:
+    """The log could not be created (`log_unwritable`) or the server not executed
+    (`exec_failed`)."""
+
+    gen: int
+    reason: str
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -116,7 +140,11 @@ class SweepDone:
 
 @dataclass(frozen=True)
 class BackoffElapsed:
+    """The backoff's delay is over and the intent's config was read for the retry."""
+
     gen: int
+    resolved: Any = None  # the ResolvedConfig, or None with `error`
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -132,12 +160,13 @@ class ProbationOver:
 
 
 @dataclass(frozen=True)
-class GpuSample:
+class GpuSampled:
     """A GPU snapshot and the pids of the running launch's tree, taken off the owner."""
 
     gen: int
     snapshot: Any
     tree: frozenset[tuple[int, float]]
+    unresolved: tuple[int, ...] = ()  # holders' pids this daemon cannot see (NVML only)
 
 
 @dataclass(frozen=True)
@@ -181,6 +210,18 @@ class WriteHealth:
 
 
 @dataclass(frozen=True)
+class SweepBegan:
+    """A sweep runs: other restarts and swaps are refused until it ends."""
+
+    sweep_id: str
+
+
+@dataclass(frozen=True)
+class SweepEnded:
+    sweep_id: str
+
+
+@dataclass(frozen=True)
 class SaveAgain:
     """Retry a failed state.json write."""
 
@@ -190,6 +231,8 @@ Message = (
     | StopRequested
     | RestartRequested
     | ShutdownRequested
+    | Spawned
+    | SpawnFailed
     | GpuWaitDone
     | ChildExited
     | LineParsed
@@ -203,10 +246,12 @@ Message = (
     | StableUptime
     | EventNoted
     | ProbationOver
-    | GpuSample
+    | GpuSampled
     | OrphansKilled
     | TaskFailed
     | StateSaved
     | WriteHealth
+    | SweepBegan
+    | SweepEnded
     | SaveAgain
 )

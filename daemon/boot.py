@@ -1,0 +1,102 @@
+"""The daemon's start: its previous life's record read back, a server that life left running
+stopped, and the saved intent started again (through the same preflight as a start).
+
+Runs in the owner task before it handles its first message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+from . import child as childmod
+from . import reading, saved
+from .errors import CommandError
+from .messages import StartRequested
+from .preflight import PreflightResult
+
+if TYPE_CHECKING:
+    from .configs import ResolvedConfig
+    from .machine import Machine
+    from .store import StateStore
+    from .supervisor import Supervisor
+
+BOOT_DEADLINE_S = 300.0  # the boot's config read and preflight (two introspections at most)
+
+
+async def restore(
+    machine: Machine, store: StateStore, grace_s: float, default_config: str | None
+) -> tuple[str | None, str | None]:
+    """Read state.json into the machine and stop what the previous life left running.
+    Returns the config to start (None: none) and what a resumed swap rolls back to."""
+    data, note = await asyncio.to_thread(store.load)
+    if note:
+        machine.event("state_file_corrupt", detail=note)
+    saved.restore(machine, data, childmod.is_alive)
+    current = data.get("current_launch") or {}
+    stopped = await stop_previous_life(machine, current or None, grace_s)
+    machine.close_unobserved(str(current.get("launch_id") or "") if stopped else "")
+    name = saved.boot_config(data, default_config)
+    rollback = None
+    if name:
+        record = data.get("swap")
+        swap = saved.resumed_swap(record, name)
+        if swap is not None:
+            machine.resume_swap(swap, record.get("phase") if isinstance(record, dict) else None)
+            rollback = swap.rollback_name or machine.last_good_config
+    return name, rollback
+
+
+async def stop_previous_life(
+    machine: Machine, record: dict[str, Any] | None, grace_s: float
+) -> bool:
+    """A server group from the daemon's previous life, still alive, is stopped first."""
+    if not record:
+        return False
+    pid = int(record.get("pid") or 0)
+    same_boot = record.get("boot_id") == childmod.boot_id()
+    create_time = record.get("create_time")
+    alive = same_boot and pid > 0 and childmod.is_alive(pid, create_time)
+    launch_id = str(record.get("launch_id") or "")
+    token = str(record.get("token") or "")
+    leftovers = (
+        childmod.find_leftovers(token, record.get("pgid") if alive else None)
+        if (same_boot and (token or alive))
+        else []
+    )
+    if not alive and not leftovers:
+        return False
+    machine.event(
+        "previous_server_found",
+        pid=pid,
+        launch_id=launch_id,
+        detail="a server from the daemon's previous life is still running; stopping it",
+    )
+    pgid = int(record.get("pgid") or pid)
+    if alive:
+        await childmod.stop_foreign(pid, create_time, pgid, grace_s)
+    killed = await childmod.kill_leftovers(childmod.find_leftovers(token, pgid))
+    machine.event(
+        "previous_server_stopped", pid=pid, killed=[{"pid": k.pid, "name": k.name} for k in killed]
+    )
+    return alive
+
+
+async def start(sup: Supervisor, name: str, ticket: int, rollback: str | None) -> None:
+    """The boot's start: the preflight gates it too, run off the owner; then it is posted
+    like any start (a stop asked for meanwhile wins: its `ticket` is older)."""
+    cfg: ResolvedConfig | None = None
+    try:
+        cfg, pre = await reading.for_command(sup.configs, name)
+    except CommandError as exc:
+        pre = PreflightResult(ok=False, problems=[exc.detail])
+    if cfg is not None:
+        pre = await sup.preflight.check(cfg)
+    back = await reading.quietly(sup.configs, rollback, cfg)
+    msg = StartRequested(
+        name, boot=True, preflight=pre, resolved=cfg, ticket=ticket, last_good=back
+    )
+    sup.post(msg)
+    with contextlib.suppress(CommandError):
+        await msg.reply

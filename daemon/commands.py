@@ -1,0 +1,175 @@
+"""The commands' decisions: start, stop, restart or swap, shutdown, and a sweep's bracket.
+
+Each takes the machine and the request, refuses it (`CommandError`, by kind) or changes the
+machine through its own steps (`begin_attempt`, `begin_stop`, `settle_swap`), and answers.
+"Stop wins": a stop refuses whatever was asked before it and is still on its way.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import errors
+from .errors import CommandError
+from .messages import (
+    RestartRequested,
+    ShutdownRequested,
+    StartRequested,
+    StopRequested,
+    SweepBegan,
+    SweepEnded,
+)
+from .model import Next, Swap
+from .states import RUNNING_STATES, ServerState, SwapPhase
+
+if TYPE_CHECKING:
+    from .configs import ResolvedConfig
+    from .machine import Machine
+
+S = ServerState
+
+
+def cancelled_by_stop(m: Machine, ticket: int, what: str) -> None:
+    if ticket and ticket < m.stop_ticket:
+        raise CommandError(
+            errors.CONFLICT, f"a stop was requested after this {what}; it was not carried out"
+        )
+
+
+def no_swap_under_way(m: Machine, sweep_id: str | None = None) -> None:
+    if m.active_sweep is not None and sweep_id != m.active_sweep:
+        raise CommandError(
+            errors.CONFLICT, f"sweep {m.active_sweep} is under way; cancel it, or stop"
+        )
+    swap = m.swap
+    if swap is not None and swap.active:
+        raise CommandError(
+            errors.CONFLICT,
+            f"swap {swap.id} ({swap.from_config} → {swap.to_config}) is under way "
+            f"({swap.phase}); wait for it, or stop",
+        )
+
+
+def start(m: Machine, msg: StartRequested) -> dict[str, Any]:
+    cancelled_by_stop(m, msg.ticket, "start")
+    if not msg.boot:  # a boot resumes an interrupted swap as that swap
+        no_swap_under_way(m)
+    if m.state in (S.WAITING_GPU, *RUNNING_STATES):
+        raise CommandError(
+            errors.CONFLICT,
+            f"a server is already {m.state} (config {m.current_config()}); use restart to swap",
+        )
+    pre = msg.preflight
+    if pre is not None and not pre.ok:
+        detail = "; ".join(pre.problems) or "preflight failed"
+        refuse(m, msg.config, detail)
+        raise CommandError(
+            errors.PREFLIGHT_REFUSED,
+            detail,
+            extra={"problems": pre.problems, "warnings": pre.warnings},
+        )
+    cfg: ResolvedConfig = msg.resolved
+    swap = m.swap
+    if msg.boot and swap is not None and swap.rollback_to is None:
+        # A resumed swap: what it rolls back to was read with the config it starts.
+        rollback: ResolvedConfig | None = msg.last_good
+        if rollback is not None and rollback.name == (swap.rollback_name or m.last_good_config):
+            swap.rollback_to = rollback
+    m.host.cancel_retry()
+    m.failures, m.crash_loop = 0, False
+    m.set_intent(cfg.name, True)
+    m.begin_attempt(cfg, rollback=swap is not None and swap.phase == SwapPhase.ROLLING_BACK)
+    return {"accepted": True, "config": cfg.name, "state": str(m.state)}
+
+
+def stop(m: Machine, msg: StopRequested) -> dict[str, Any]:
+    # Stop wins: whatever was asked before it and is still on its way (a preflight that
+    # finishes later) is refused when it arrives.
+    m.stop_ticket = max(m.stop_ticket, msg.ticket)
+    m.set_intent(m.intent_config, False)
+    if m.swap is not None and m.swap.active:
+        m.settle_swap("failed", "requested_stop", "stopped on request during the swap")
+    launch = m.launch
+    if m.state in (S.FAILED, S.BACKOFF) or (
+        m.state == S.WAITING_GPU and (launch is None or not launch.spawning)
+    ):
+        m.host.cancel_retry()
+        m.host.cancel_gpu_wait()
+        m.transition(S.STOPPED, reason="requested_stop")  # FAILED|BACKOFF|WAITING_GPU -> STOPPED
+    elif m.state != S.STOPPED and launch is not None:
+        m.begin_stop(launch, Next.STOP)
+    return {"accepted": True, "state": str(m.state)}
+
+
+def restart(m: Machine, msg: RestartRequested) -> dict[str, Any]:
+    cancelled_by_stop(m, msg.ticket, "restart")
+    no_swap_under_way(m, msg.sweep_id)
+    cfg: ResolvedConfig = msg.resolved
+    current = m.current_config()
+    serving = m.serving()
+    if msg.ensure and serving is not None and m.state == S.READY and current == cfg.name:
+        return {"accepted": True, "config": cfg.name, "state": str(m.state), "swap_id": None}
+    if serving is not None and serving.on_probation:
+        # A swap away from a config on probation: its probation counts as passed, and it is
+        # what this swap rolls back to (it was serving, not the older last-good).
+        serving.on_probation = False
+        m.last_good_config, m.last_good_launch = serving.config.name, serving.launch_id
+        m.event("probation_passed", detail="a swap began while it served")
+    last_good: ResolvedConfig | None = msg.last_good
+    if last_good is not None and last_good.name != m.last_good_config:
+        last_good = None
+    swap = Swap(
+        id=f"swap-{m.launch_seq + 1}-{int(m.clock.time())}",
+        from_config=current,
+        to_config=cfg.name,
+        is_swap=cfg.name != current,
+        rollback_name=serving.config.name if serving else m.last_good_config,
+        rollback_to=serving.config if serving else last_good,
+    )
+    m.swap, m.rolled_back_from = swap, None
+    kind = "swap" if swap.is_swap else "restart"
+    m.event(kind, swap_id=swap.id, from_config=current, to_config=cfg.name)
+    m.failures, m.crash_loop = 0, False
+    m.set_intent(cfg.name, True)
+    launch = m.launch
+    if (
+        m.state in (*RUNNING_STATES, S.WAITING_GPU)
+        and launch is not None
+        and (m.state != S.WAITING_GPU or launch.spawning)
+    ):
+        m.begin_stop(launch, Next.RELAUNCH, next_config=cfg)
+    else:
+        m.host.cancel_retry()
+        m.host.cancel_gpu_wait()
+        m.begin_attempt(cfg)
+    return {"accepted": True, "config": cfg.name, "state": str(m.state), "swap_id": swap.id}
+
+
+def shutdown(m: Machine, msg: ShutdownRequested) -> None:
+    launch = m.launch
+    if launch is not None and (m.state in RUNNING_STATES or launch.spawning):
+        m.begin_stop(launch, Next.SHUTDOWN)
+        return
+    m.host.cancel_retry()
+    m.host.cancel_gpu_wait()
+    m.finished = True
+    m.persist()
+
+
+def sweep_began(m: Machine, msg: SweepBegan) -> None:
+    m.active_sweep = msg.sweep_id
+
+
+def sweep_ended(m: Machine, msg: SweepEnded) -> None:
+    if m.active_sweep == msg.sweep_id:
+        m.active_sweep = None
+
+
+def refuse(m: Machine, name: str | None, detail: str) -> None:
+    """A start whose preflight failed (or whose config no longer reads): `failed`."""
+    m.intent_config, m.intent_running = name, True
+    m.last_exit = m.exit_record("preflight_refused", detail)
+    m.event("preflight_refused", config=name, detail=detail)
+    if m.state != S.FAILED:
+        m.transition(S.FAILED, reason="preflight_refused")  # STOPPED|BACKOFF -> FAILED
+    m.persist()

@@ -1,0 +1,346 @@
+"""The host: the one seam every side effect of the machine leaves through.
+
+The machine calls these methods while it decides; each returns at once. What takes time
+(executing the server, the GPU wait, probes, the sweep, timers, config reads, the state
+file's write) runs in a task of the host, which posts its outcome to the inbox as a message.
+Tasks that belong to one launch live and die with it (`end_tasks`); every task's failure is
+posted (`TaskFailed`), never lost; the ones with a deadline make supervision count as stuck
+when they overrun it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol
+
+import structlog
+
+from . import child as childmod
+from . import ownership
+from .clock import Clock
+from .configs import ConfigError, ConfigStore
+from .gpu import GpuBackend
+from .gpuwatch import GpuWatch
+from .health import Prober
+from .launchlog import LaunchLog, LogUnwritable
+from .listener import check_listener
+from .logfiles import prune_logs
+from .messages import (
+    BackoffElapsed,
+    ChildExited,
+    EventNoted,
+    LineParsed,
+    ListenerChecked,
+    Message,
+    ProbeFailed,
+    ProbeSucceeded,
+    SaveAgain,
+    Spawned,
+    SpawnFailed,
+    StateSaved,
+    SweepDone,
+    WriteHealth,
+)
+from .settings import Settings
+from .sglanglines import Finding, ParsedLine
+from .store import EventLog, StateStore
+
+if TYPE_CHECKING:
+    from .model import Launch
+    from .views import Snapshot
+
+log = structlog.get_logger("gpuwarden.supervisor")
+
+# Findings logged this long before SGLang's death line are evidence of that death (its
+# scheduler watchdog logs the timeout, then waits 5 s before the SIGQUIT); older ones are not.
+DEATH_CONTEXT_S = 60.0
+PIPE_DRAIN_S = 0.2  # after an exit, how long to wait for the last output before classifying
+# How long the post-exit sweep may take before it counts as overdue (it normally takes well
+# under a second: pipes, a /proc walk, a GPU snapshot, the kills' own grace).
+SWEEP_DEADLINE_S = 120.0
+SAVE_RETRY_S = 2.0
+GPU_POLL_S = 1.0
+SETTLED_KEPT = 32  # outcomes of settled swaps kept for `restart --wait` callers
+
+
+class Effects(Protocol):
+    """What the machine may ask for. Each call returns at once."""
+
+    def record(self, record: dict[str, Any]) -> None: ...
+    def wait_for_gpus(self, launch: Launch) -> None: ...
+    def cancel_gpu_wait(self) -> None: ...
+    def refresh_gpus(self) -> None: ...
+    def spawn(self, launch: Launch, header: list[str]) -> None: ...
+    def abandon(self, child: Any, log: Any) -> None: ...
+    def terminate(self, launch: Launch) -> None: ...
+    def kill_group(self, launch: Launch) -> None: ...
+    def end_tasks(self, launch: Launch) -> None: ...
+    def timer(self, seconds: float, msg: Message, launch: Launch | None = None) -> None: ...
+    def probe(self, launch: Launch, readiness: bool) -> None: ...
+    def check_listener(self, launch: Launch, how: str) -> None: ...
+    def sweep(self, launch: Launch) -> None: ...
+    def close_launch(self, launch: Launch, note: str) -> None: ...
+    def retry_after(self, delay_s: float, gen: int, config: str | None) -> None: ...
+    def cancel_retry(self) -> None: ...
+    def save_again(self) -> None: ...
+    def prune_logs(self, protect: set[str]) -> None: ...
+    def swap_settled(self, swap_id: str, outcome: dict[str, Any]) -> None: ...
+
+
+class Host(GpuWatch):
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        gpu: GpuBackend,
+        prober: Prober,
+        store: StateStore,
+        events: EventLog,
+        configs: ConfigStore,
+        clock: Clock,
+        post: Callable[[Message], None],
+        view: Callable[[], Snapshot],
+    ) -> None:
+        super().__init__(clock, post)
+        self.settings, self.gpu, self.prober = settings, gpu, prober
+        self.store, self.events, self.configs = store, events, configs
+        self.view = view
+        self.line_listeners: set[Callable[[list[str]], None]] = set()  # raw: redact to serve
+        self.event_listeners: list[Callable[[dict[str, Any]], None]] = []
+        self.sweep_deadline_s = SWEEP_DEADLINE_S
+        self.subreaper = childmod.is_subreaper()
+        self._gpu_task: asyncio.Task[Any] | None = None
+        self._retry_task: asyncio.Task[Any] | None = None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
+        self._events_error: str | None = None
+        self._settled: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._early: dict[int, list[Message]] = {}  # lines read before the spawn was posted
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._writer.shutdown, wait=True)
+        self.cancel_all()
+        await self.prober.close()
+
+    # -- records -------------------------------------------------------------------------------
+
+    def record(self, record: dict[str, Any]) -> None:
+        self.events.append(record)
+        if self.events.write_error != self._events_error:
+            self._events_error = self.events.write_error
+            self.post(WriteHealth("events", self._events_error))
+        for listener in self.event_listeners:
+            try:
+                listener(record)
+            except Exception:
+                log.exception("supervisor.event_listener_failed")
+        fields = {k: v for k, v in record.items() if k not in ("event", "ts")}
+        if record["event"] == "write_failed":
+            log.error("daemon.write_failed", **fields)
+        elif record["event"] == "write_resumed":
+            log.warning("daemon.write_resumed", **fields)
+        log.info(f"server.{record['event']}", **fields)
+
+    def save(self, record: dict[str, Any]) -> None:
+        """Write state.json (fsync and all) on the writer thread, so a relaunch never waits
+        for the disk. Writes stay in order: one writer."""
+        done = self._writer.submit(self.store.save, record)
+        loop = asyncio.get_running_loop()
+
+        def report(fut: Any) -> None:
+            error = fut.result() if fut.exception() is None else repr(fut.exception())
+            with contextlib.suppress(RuntimeError):  # the loop is gone: the daemon is exiting
+                loop.call_soon_threadsafe(self.post, StateSaved(error))
+
+        done.add_done_callback(report)
+
+    def save_again(self) -> None:
+        self.task(self._fire(SAVE_RETRY_S, SaveAgain()))
+
+    def swap_settled(self, swap_id: str, outcome: dict[str, Any]) -> None:
+        fut = self.settled(swap_id)
+        if not fut.done():
+            fut.set_result(outcome)
+        while len(self._settled) > SETTLED_KEPT:
+            del self._settled[next(iter(self._settled))]
+
+    def settled(self, swap_id: str) -> asyncio.Future[dict[str, Any]]:
+        """A swap's outcome, once it has one."""
+        fut = self._settled.get(swap_id)
+        if fut is None:
+            fut = self._settled[swap_id] = asyncio.get_running_loop().create_future()
+        return fut
+
+    # -- the GPU wait and the launch -------------------------------------------------------------
+
+    def spawn(self, launch: Launch, header: list[str]) -> None:
+        self._early[launch.gen] = []
+        self.task(self._spawn(launch, header), gen=launch.gen)
+
+    async def _spawn(self, launch: Launch, header: list[str]) -> None:
+        cfg, gen = launch.config, launch.gen
+        path = self.settings.log_dir / cfg.name / f"{launch.launch_id}.log"
+        try:
+            try:
+                launch_log = LaunchLog(
+                    path,
+                    header,
+                    on_lines=lambda lines, parsed: self._on_lines(launch, lines, parsed),
+                    redact=launch.redactor.text,
+                    on_write=lambda error: self.post(WriteHealth("launch_log", error, gen)),
+                )
+            except LogUnwritable as exc:
+                self.post(SpawnFailed(gen, "log_unwritable", f"cannot create the log: {exc}"))
+                return
+            env = cfg.process_env(os.environ)
+            try:
+                child = await childmod.spawn(
+                    cfg.argv, env, launch.launch_id, launch_log.feed, token=launch.token
+                )
+            except Exception as exc:  # OSError from exec; anything else must not strand it
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
+                detail = f"cannot execute {cfg.argv[0]!r}: {why}"
+                launch_log.close(f"exec failed: {detail}")
+                self.post(SpawnFailed(gen, "exec_failed", detail))
+                return
+            child.exited.add_done_callback(
+                lambda f: self.post(ChildExited(gen, f.result() if not f.cancelled() else None))
+            )
+            self.post(Spawned(gen, child, launch_log))
+        finally:
+            for msg in self._early.pop(gen, []):
+                self.post(msg)
+
+    def abandon(self, child: Any, log: Any) -> None:
+        child.kill_group()
+        log.close("abandoned: no launch attempt wants it")
+
+    def _on_lines(
+        self, launch: Launch, lines: list[str], parsed: list[tuple[str, ParsedLine]]
+    ) -> None:
+        """Called by the log pipeline once per chunk. Findings are log data kept on the launch;
+        what changes state (the ready line, a death line) or status (decode metrics) is posted."""
+        for listener in list(self.line_listeners):
+            listener(lines)
+        now = self.real.monotonic()
+        early = self._early.get(launch.gen)
+        for text, result in parsed:
+            if result.death and launch.death_at is None:
+                since = now - DEATH_CONTEXT_S
+                launch.death_at = next(
+                    (i for i, t in enumerate(launch.finding_times) if t >= since),
+                    len(launch.findings),
+                )
+            if result.findings:
+                found = [Finding(f.kind, launch.redactor.text(f.line)) for f in result.findings]
+                launch.add_findings(found, now)
+            if result.ready or result.decode is not None or result.death:
+                msg = LineParsed(launch.gen, result, text)
+                if early is not None:  # the machine has not heard of the process yet
+                    early.append(msg)
+                else:
+                    self.post(msg)
+
+    def terminate(self, launch: Launch) -> None:
+        if launch.child is not None:
+            launch.child.signal(signal.SIGTERM)
+
+    def kill_group(self, launch: Launch) -> None:
+        if launch.child is not None:
+            launch.child.kill_group()
+
+    def close_launch(self, launch: Launch, note: str) -> None:
+        if launch.log is not None:
+            launch.log.close(note)
+        if launch.child is not None:
+            launch.child.close()
+
+    # -- probes ----------------------------------------------------------------------------------
+
+    def probe(self, launch: Launch, readiness: bool) -> None:
+        self.task(self._probe_loop(launch, readiness), launch=launch)
+
+    async def _probe_loop(self, launch: Launch, readiness: bool) -> None:
+        health = launch.config.config.health
+        url = launch.config.health_url
+        while True:
+            await self.clock.sleep(
+                health.interval_s if not readiness else min(health.interval_s, 1.0)
+            )
+            result = await self.prober.probe(url, health.timeout_s)
+            if result.ok:
+                if readiness or launch.probe_failures:
+                    self.post(ProbeSucceeded(launch.gen, result.detail))
+                if readiness:
+                    return
+            elif not readiness:
+                self.post(ProbeFailed(launch.gen, result.detail))
+
+    def check_listener(self, launch: Launch, how: str) -> None:
+        self.task(self._check_listener(launch, how), launch=launch)
+
+    async def _check_listener(self, launch: Launch, how: str) -> None:
+        assert launch.child is not None
+        main = launch.child.pid
+
+        def tree() -> list[int]:
+            return [pid for pid, _ in ownership.launch_tree(main)]
+
+        check = await asyncio.to_thread(check_listener, launch.config.health_url, tree)
+        self.post(ListenerChecked(launch.gen, how, check))
+
+    # -- after an exit ---------------------------------------------------------------------------
+
+    def sweep(self, launch: Launch) -> None:
+        self.task(self._after_exit(launch), gen=launch.gen, deadline_s=self.sweep_deadline_s)
+
+    async def _after_exit(self, launch: Launch) -> None:
+        """Let the last output in (bounded: a grandchild may hold the pipes), then sweep."""
+        child = launch.child
+        assert child is not None
+        await child.wait_pipes_closed(PIPE_DRAIN_S)
+        killed: list[childmod.Leftover] = []
+        if not (self.subreaper and childmod.nothing_left(child.pgid)):
+            leftovers = await asyncio.to_thread(childmod.find_leftovers, launch.token, child.pgid)
+            killed = await childmod.kill_leftovers(leftovers)
+        report = [{"pid": k.pid, "name": k.name, "cmdline": k.cmdline} for k in killed]
+        # Holders of ours the tree walk could not reach (an earlier launch's orphans).
+        snap = await self.gpu_snapshot()
+        report += await self.kill_gpu_orphans(list(snap.gpus))
+        self.post(SweepDone(launch.gen, report))
+
+    def retry_after(self, delay_s: float, gen: int, config: str | None) -> None:
+        self._retry_task = self.task(self._retry(delay_s, gen, config), gen=gen)
+
+    def cancel_retry(self) -> None:
+        if self._retry_task is not None:
+            self._retry_task.cancel()
+            self._retry_task = None
+
+    async def _retry(self, delay_s: float, gen: int, config: str | None) -> None:
+        await self.clock.sleep(delay_s)
+        if not config:
+            error = "no config given, none running and no default_config set"
+            self.post(BackoffElapsed(gen, None, error))
+            return
+        try:  # off the loop: a large or hostile file must not stall the owner
+            resolved = await asyncio.to_thread(self.configs.load, config)
+        except ConfigError as exc:
+            self.post(BackoffElapsed(gen, None, str(exc)))
+            return
+        self.post(BackoffElapsed(gen, resolved))
+
+    def prune_logs(self, protect: set[str]) -> None:
+        self.task(self._prune_logs(protect))
+
+    async def _prune_logs(self, protect: set[str]) -> None:
+        keep = self.settings.log_retention
+        removed = await asyncio.to_thread(
+            prune_logs, self.settings.log_dir, keep.launches, keep.max_bytes, protect
+        )
+        if removed:
+            self.post(EventNoted("logs_pruned", {"files": len(removed)}))

@@ -1,0 +1,499 @@
+"""The machine: every decision about the server's lifecycle and every change of its state.
+
+`handle(msg)` takes one inbox message and decides, synchronously: no awaits, no processes,
+files or clocks of its own (time comes from the injected clock). What it decides to do leaves
+through the host (`host.py`), which runs it and posts the outcome back as a later message. It
+is the only writer of the state (checked against `TRANSITIONS`) and of a swap's phase (checked
+against `PHASES`); each site says `# FROM -> TO`.
+
+A crash, read top to bottom: `ChildExited` (`# READY -> STOPPING`, host.sweep) → `SweepDone`
+(classify, record, the restart policy: `# STOPPING -> BACKOFF`, host.retry_after) →
+`BackoffElapsed` (`# BACKOFF -> WAITING_GPU`, host.wait_for_gpus) → `GpuWaitDone`
+(host.spawn) → `Spawned` (`# WAITING_GPU -> STARTING`, probes and the startup timer).
+"""
+
+from __future__ import annotations
+
+from . import commands
+from .books import Books
+from .configs import ResolvedConfig, redacted_header_lines
+from .messages import (
+    BackoffElapsed,
+    ChildExited,
+    GpuSampled,
+    GpuWaitDone,
+    GraceExpired,
+    LineParsed,
+    ListenerChecked,
+    ProbationOver,
+    ProbeFailed,
+    ProbeSucceeded,
+    Spawned,
+    SpawnFailed,
+    StableUptime,
+    StartupTimedOut,
+    SweepDone,
+    TaskFailed,
+    WriteHealth,
+)
+from .model import Launch, Next, Swap, utc_iso, utc_stamp
+from .policy import NOT_RETRIED, Classification, backoff_delay, classify_exit
+from .redact import Redactor
+from .sglanglines import decode_metrics, strip_prefix
+from .states import ServerState, SwapPhase
+
+S = ServerState
+
+
+class Machine(Books):
+    def begin_attempt(self, cfg: ResolvedConfig, rollback: bool = False) -> None:
+        self.gen += 1
+        swap = self.swap if self.swap is not None and self.swap.active else None
+        self.launch = Launch(gen=self.gen, config=cfg, swap=swap, rollback=rollback)
+        if swap is not None and swap.phase != SwapPhase.ROLLING_BACK:
+            self.set_phase(swap, SwapPhase.WAITING_GPU)  # STOPPING -> WAITING_GPU
+        if self.state != S.WAITING_GPU:
+            self.transition(S.WAITING_GPU, config=cfg.name)  # STOPPED|STOPPING|BACKOFF|FAILED ->
+        self.host.wait_for_gpus(self.launch)
+
+    def on_gpu_wait_done(self, msg: GpuWaitDone) -> None:
+        launch = self.current(msg.gen)
+        if launch is None or self.state != S.WAITING_GPU:
+            return
+        if not msg.ok:
+            timeout = self.settings.gpu.release_timeout_s
+            busy = f"GPUs still busy after {timeout:g} s: {msg.busy}"
+            self._fail(launch, Classification("gpu_busy", busy))
+            return
+        self.launch_seq += 1
+        launch.launch_id = f"{utc_stamp(self.clock.time())}-{self.launch_seq:06d}"
+        launch.redactor = Redactor(launch.config.secret_values())
+        launch.spawning = True
+        header = [
+            f"gpuwarden launch {launch.launch_id} at {utc_iso(self.clock.time())}",
+            *redacted_header_lines(launch.config),
+        ]
+        self.host.spawn(launch, header)
+
+    def on_spawn_failed(self, msg: SpawnFailed) -> None:
+        launch = self.current(msg.gen)
+        if launch is None:
+            return
+        launch.spawning = False
+        if self.state == S.STOPPING:  # a stop or swap came while it executed
+            verdict = Classification(msg.reason, msg.detail)
+            self.record_exit(launch, verdict)
+            self._after_stop(launch, verdict, recorded=True)
+        else:
+            self._fail(launch, Classification(msg.reason, msg.detail))
+
+    def on_spawned(self, msg: Spawned) -> None:
+        launch = self.current(msg.gen)
+        if launch is None:  # no attempt wants it (a spawn is never overtaken: defensive)
+            self.host.abandon(msg.child, msg.log)
+            return
+        launch.spawning, launch.child, launch.log = False, msg.child, msg.log
+        self.on_write_health(WriteHealth("launch_log", None))  # a new file: any gap is over
+        if launch.swap is not None:
+            launch.swap.launch_ids.append(launch.launch_id)
+            if launch.swap.phase == SwapPhase.WAITING_GPU:
+                self.set_phase(launch.swap, SwapPhase.STARTING)  # WAITING_GPU -> STARTING
+        launch.started_at, launch.started_mono = self.clock.time(), self.clock.monotonic()
+        path = str(msg.log.path)
+        self.history.started(  # every launch is on record from its start; the exit fills in
+            {
+                "launch_id": launch.launch_id,
+                "config": launch.config.name,
+                "pid": msg.child.pid,
+                "started_at": utc_iso(launch.started_at),
+                "ready_at": None,
+                "log_file": path,
+                "exit": None,
+            }
+        )
+        self.persist()
+        if self.state == S.STOPPING:  # stopped while it executed: it goes now
+            self.event(
+                "launch", pid=msg.child.pid, argv=launch.config.redacted_argv(), log_file=path
+            )
+            self._terminate(launch)
+            return
+        self.transition(S.STARTING, pid=msg.child.pid, log_file=path)  # WAITING_GPU -> STARTING
+        self.event("launch", pid=msg.child.pid, argv=launch.config.redacted_argv(), log_file=path)
+        health = launch.config.config.health
+        self.host.timer(health.startup_timeout_s, StartupTimedOut(launch.gen), launch)
+        self.host.probe(launch, readiness=True)
+        self.host.prune_logs(self.protected_logs())
+
+    def on_line_parsed(self, msg: LineParsed) -> None:
+        launch = self.current(msg.gen)
+        if launch is None:
+            return
+        if msg.parsed.decode is not None:
+            at = utc_iso(self.clock.time())
+            self.server_metrics = {**decode_metrics(msg.parsed.decode), "at": at}
+        if msg.parsed.death:
+            self._death_announced(launch, launch.redactor.text(strip_prefix(msg.line).strip()))
+        elif msg.parsed.ready and self.state == S.STARTING:
+            self._confirm_ready(launch, "ready line")
+
+    def _death_announced(self, launch: Launch, line: str) -> None:
+        """SGLang says a process of the server died. It is dead: what follows is diagnostics
+        (5 s of settling, py-spy, up to 60 s waiting for CUDA coredumps) with its port open and
+        requests hanging. No grace and no probe can change that, so the group is SIGKILLed now
+        and the exit's evidence is SGLang's line."""
+        if launch.announced is not None or not launch.running:
+            return
+        launch.announced = line
+        self.event("death_announced", line=line)
+        if launch.next is None:
+            # Not being stopped yet: a crash, retried by the policy. Already being stopped (on
+            # request, or by us for a timeout, a probe, a foreign listener), that reason stands:
+            # our SIGTERM may be what the line reports.
+            launch.next = Next.RETRY
+        self.host.end_tasks(launch)
+        if self.state != S.STOPPING:
+            # STARTING|READY|UNHEALTHY -> STOPPING
+            self.transition(
+                S.STOPPING, next=str(launch.next), reason="death_announced", detail=line
+            )
+        self.host.kill_group(launch)
+
+    def on_probe_succeeded(self, msg: ProbeSucceeded) -> None:
+        launch = self.current(msg.gen)
+        if launch is None:
+            return
+        if self.state == S.STARTING:
+            self._confirm_ready(launch, msg.detail)
+        elif self.state in (S.READY, S.UNHEALTHY):
+            launch.probe_failures = 0
+
+    def _confirm_ready(self, launch: Launch, how: str) -> None:
+        """The ready line or a 200 says ready; neither proves that this launch answers (SGLang
+        prints its ready line when its warm-up reached another server on its port, its own
+        bind having failed). Ask who holds the health URL's socket first."""
+        if launch.checking_listener or launch.child is None:
+            return
+        if not launch.config.config.health.check_listener:
+            self._became_ready(launch, how)
+            return
+        launch.checking_listener = True
+        self.host.check_listener(launch, how)
+
+    def on_listener_checked(self, msg: ListenerChecked) -> None:
+        launch = self.current(msg.gen)
+        if launch is None or self.state != S.STARTING:
+            return
+        launch.checking_listener = False
+        check = msg.check
+        if check.ours is False:
+            self._end_for_retry(launch, "port_in_use", check.detail)
+            return
+        if check.nothing_listens and msg.how != "ready line" and not launch.listener_rechecked:
+            # A 200, and then nobody listens: whoever answered may be gone. Not ready yet: probe
+            # again. A second time it is taken as "cannot tell" (a port forwarded by the kernel,
+            # as docker does without its proxy, has no listener here).
+            launch.listener_rechecked = True
+            self.host.probe(launch, readiness=True)
+            return
+        if check.ours is None and launch.config.name not in self.listener_warned:
+            # Said once per config: the same reason holds for every launch of it.
+            self.listener_warned.add(launch.config.name)
+            self.event(
+                "listener_unchecked",
+                config=launch.config.name,
+                detail=f"cannot check that this launch answers {launch.config.health_url}: "
+                f"{check.detail}; readiness rests on the {msg.how}",
+            )
+        self._became_ready(launch, msg.how)
+
+    def _became_ready(self, launch: Launch, how: str) -> None:
+        launch.ready_at, launch.ready_mono = self.clock.time(), self.clock.monotonic()
+        self.host.end_tasks(launch)
+        took = launch.ready_mono - (launch.started_mono or launch.ready_mono)
+        self.transition(S.READY, via=how, time_to_ready_s=round(took, 3))  # STARTING -> READY
+        self.ready_times = [*self.ready_times[-99:], took]
+        swap = launch.swap
+        if swap is not None and swap.active and launch.rollback:
+            self.settle_swap("rolled_back", swap.outcome_reason, swap.outcome_evidence)
+        elif swap is not None and swap.active:
+            self.settle_swap("ready", None, f"{launch.config.name} is ready")
+        probation = self.settings.restart.probation_s
+        if swap is not None and swap.is_swap and not launch.rollback and probation > 0:
+            # A swapped-in config becomes last-good only once it has stayed up.
+            launch.on_probation = True
+            self.host.timer(probation, ProbationOver(launch.gen), launch)
+        else:
+            self.last_good_config, self.last_good_launch = launch.config.name, launch.launch_id
+        self.persist()
+        self.host.probe(launch, readiness=False)
+        self.host.timer(self.settings.restart.reset_after_s, StableUptime(launch.gen), launch)
+        self.host.refresh_gpus()
+
+    def on_probe_failed(self, msg: ProbeFailed) -> None:
+        launch = self.current(msg.gen)
+        if launch is None or self.state not in (S.READY, S.UNHEALTHY):
+            return
+        launch.probe_failures += 1
+        limit = launch.config.config.health.failures
+        self.event("probe_failed", detail=msg.detail, consecutive=launch.probe_failures)
+        if launch.probe_failures >= limit:
+            self.transition(S.UNHEALTHY, detail=msg.detail)  # READY -> UNHEALTHY
+            last = f"{limit} consecutive failed probes; last: {msg.detail}"
+            self._end_for_retry(launch, "liveness_failed", last)  # UNHEALTHY -> STOPPING
+
+    def on_gpu_sampled(self, msg: GpuSampled) -> None:
+        launch = self.note_gpus(msg)
+        if launch is None or self.state != S.READY:
+            return
+        tree_pids = {pid for pid, _ in msg.tree}
+        held = {
+            g.index: [p.pid for p in g.processes if p.pid in tree_pids] for g in msg.snapshot.gpus
+        }
+        if launch.rank_gpus is None:
+            launch.rank_gpus = {i: pids for i, pids in held.items() if pids}
+            if launch.rank_gpus:
+                self.event("ranks", gpus=sorted(launch.rank_gpus))
+            self.persist()
+            return
+        lost = [i for i in launch.rank_gpus if not held.get(i)]
+        if lost:
+            pids = ", ".join(map(str, launch.rank_gpus[lost[0]]))
+            why = f"GPU {lost[0]} no longer holds a process of this launch (it held pid {pids} "
+            why += "when ready)"
+            self._end_for_retry(launch, "rank_lost", why)  # READY -> STOPPING
+
+    def on_probation_over(self, msg: ProbationOver) -> None:
+        launch = self.current(msg.gen)
+        if launch is None or not launch.on_probation or self.state != S.READY:
+            return
+        launch.on_probation = False
+        self.last_good_config, self.last_good_launch = launch.config.name, launch.launch_id
+        self.event("probation_passed", probation_s=self.settings.restart.probation_s)
+        self.persist()
+
+    def on_startup_timed_out(self, msg: StartupTimedOut) -> None:
+        launch = self.current(msg.gen)
+        if launch is None or self.state != S.STARTING:
+            return
+        timeout = launch.config.config.health.startup_timeout_s
+        self._end_for_retry(
+            launch, "startup_timeout", f"not ready within startup_timeout_s={timeout:g}"
+        )
+
+    def on_stable_uptime(self, msg: StableUptime) -> None:
+        if self.current(msg.gen) is None or self.state != S.READY:
+            return
+        if self.failures or self.crash_loop:
+            self.event("failures_reset", after_failures=self.failures)
+        self.failures, self.crash_loop = 0, False
+        self.persist()
+
+    def begin_stop(
+        self,
+        launch: Launch,
+        nxt: Next,
+        next_config: ResolvedConfig | None = None,
+        imposed: Classification | None = None,
+    ) -> None:
+        if self.state == S.STOPPING:
+            # On its way out already: only what follows changes (a stop wins over a relaunch,
+            # a restart asked for after a stop relaunches).
+            launch.next, launch.next_config = nxt, next_config
+            return
+        launch.next, launch.next_config, launch.imposed = nxt, next_config, imposed
+        # WAITING_GPU (executing)|STARTING|READY|UNHEALTHY -> STOPPING
+        self.transition(S.STOPPING, next=str(nxt), reason=imposed.reason if imposed else None)
+        if launch.running:  # else it goes once it exists, or its exit is being handled
+            self._terminate(launch)
+
+    def _terminate(self, launch: Launch) -> None:
+        """SIGTERM to the server's group; SIGKILL after `grace_s`."""
+        self.host.end_tasks(launch)
+        self.host.terminate(launch)
+        self.host.timer(self.settings.stop.grace_s, GraceExpired(launch.gen), launch)
+
+    def _end_for_retry(self, launch: Launch, reason: str, evidence: str) -> None:
+        """We end this launch (it is not ready in time, not live, or lost a rank): stop it, and
+        let the restart policy (or a swap's rollback) decide what follows."""
+        self.begin_stop(launch, Next.RETRY, imposed=Classification(reason, evidence))
+
+    def on_grace_expired(self, msg: GraceExpired) -> None:
+        launch = self.current(msg.gen)
+        if launch is None or not launch.running:
+            return
+        grace = self.settings.stop.grace_s
+        self.event(
+            "stop_escalated", detail=f"still running after grace_s={grace:g}; SIGKILL to the group"
+        )
+        self.host.kill_group(launch)
+
+    def on_child_exited(self, msg: ChildExited) -> None:
+        launch = self.current(msg.gen)
+        if launch is None or launch.exited:
+            return
+        launch.exited, launch.returncode = True, msg.returncode
+        self.host.end_tasks(launch)
+        if self.state != S.STOPPING:
+            # STARTING|READY|UNHEALTHY -> STOPPING
+            self.transition(S.STOPPING, returncode=msg.returncode, detail="the server exited")
+        self.host.sweep(launch)
+
+    def on_sweep_done(self, msg: SweepDone) -> None:
+        launch = self.current(msg.gen)
+        if launch is None or launch.child is None or self.state != S.STOPPING:
+            return
+        if msg.killed:
+            self.last_sweep_killed = msg.killed
+            self.event("sweep", killed=msg.killed)
+        requested = launch.next in (Next.STOP, Next.RELAUNCH, Next.SHUTDOWN)
+        verdict = classify_exit(
+            launch.returncode,
+            launch.evidence(),
+            requested_stop=requested and launch.imposed is None,
+            imposed=launch.imposed,
+        )
+        self.record_exit(launch, verdict)
+        self.host.close_launch(launch, f"exit: {self.last_exit and self.last_exit['evidence']}")
+        self._after_stop(launch, verdict, recorded=True)
+
+    def _after_stop(self, launch: Launch, verdict: Classification, recorded: bool = False) -> None:
+        """The launch is gone (swept, or never executed): what it was stopped for follows."""
+        nxt = launch.next
+        if nxt is None or nxt == Next.RETRY:
+            self._fail(launch, verdict, recorded=recorded)
+        elif nxt == Next.STOP:
+            self.transition(S.STOPPED, reason=verdict.reason)  # STOPPING -> STOPPED
+        elif nxt == Next.RELAUNCH:
+            assert launch.next_config is not None
+            self.restarts += 1
+            self.begin_attempt(launch.next_config)  # STOPPING -> WAITING_GPU
+        elif nxt == Next.SHUTDOWN:
+            self.transition(S.STOPPED, reason="daemon shutdown")  # STOPPING -> STOPPED
+            self.finished = True
+        self.persist()
+
+    def _fail(self, launch: Launch, verdict: Classification, recorded: bool = False) -> None:
+        if not recorded:
+            self.record_exit(launch, verdict)
+        self.exits_by_reason[verdict.reason] = self.exits_by_reason.get(verdict.reason, 0) + 1
+        swap = launch.swap
+        first_start = swap is not None and swap.is_swap and swap.active and not launch.rollback
+        in_probation = launch.on_probation and launch.ready_mono is not None
+        if first_start or in_probation:
+            self._roll_back(launch, verdict)
+            return
+        if swap is not None and swap.active:
+            # A plain restart, or the rollback itself, failed: the policy takes it from here.
+            self.settle_swap("failed", verdict.reason, verdict.evidence)
+        policy = self.settings.restart
+        self.failures += 1
+        if launch.launch_id:
+            self.last_failed_launch = launch.launch_id
+        if self.failures >= policy.crash_loop_after and not self.crash_loop:
+            self.crash_loop = True
+            self.event("crash_loop", failures=self.failures, reason=verdict.reason)
+        if verdict.reason in NOT_RETRIED:
+            # WAITING_GPU|STOPPING -> FAILED
+            self.transition(S.FAILED, reason=verdict.reason, detail="not retried: fix the config")
+        elif policy.max_failures is not None and self.failures >= policy.max_failures:
+            detail = f"{self.failures} consecutive failures (max_failures)"
+            self.transition(S.FAILED, reason=verdict.reason, detail=detail)  # -> FAILED
+        else:
+            delay = backoff_delay(policy, self.failures, self.rng)
+            # WAITING_GPU|STOPPING -> BACKOFF
+            self.transition(
+                S.BACKOFF, reason=verdict.reason, delay_s=round(delay, 3), failures=self.failures
+            )
+            self.next_retry_at = self.clock.time() + delay
+            # Even with no delay the retry is a message of its own, after its config is read.
+            self.host.retry_after(max(delay, 0.0), launch.gen, self.intent_config)
+        self.persist()
+
+    def _roll_back(self, launch: Launch, verdict: Classification) -> None:
+        """A swapped-in config failed its first start or its probation: back at once, no
+        backoff, to the config that served when the swap began (else the last good one)."""
+        failed = launch.config.name
+        if launch.launch_id:
+            self.last_failed_launch = launch.launch_id
+        began = launch.swap
+        target_cfg = began.rollback_to if began is not None else None
+        target = (began.rollback_name if began is not None else None) or self.last_good_config
+        swap = began
+        if swap is None or swap.outcome is not None:  # its probation failed: a swap of its own
+            swap = Swap(id=f"rollback-{self.launch_seq}", from_config=failed,
+                        to_config=target or failed, is_swap=True)  # fmt: skip
+            self.swap = swap
+        swap.outcome = None
+        swap.outcome_reason, swap.outcome_evidence = verdict.reason, verdict.evidence
+        if not target or target == failed or target_cfg is None or target_cfg.name != target:
+            detail = (
+                f"swap to {failed} failed and there is no last good config"
+                if not target or target == failed
+                else f"swap to {failed} failed and its rollback config {target} does not load"
+            )
+            self.transition(S.FAILED, reason=verdict.reason, detail=detail)  # -> FAILED
+            self.settle_swap("failed", verdict.reason, verdict.evidence)
+            self.persist()
+            return
+        self.set_phase(
+            swap, SwapPhase.ROLLING_BACK
+        )  # STOPPING|WAITING_GPU|STARTING -> ROLLING_BACK
+        self.rolled_back_from = failed
+        self.event("rollback", swap_id=swap.id, from_config=failed, to_config=target,
+                   reason=verdict.reason, evidence=verdict.evidence)  # fmt: skip
+        self.set_intent(target, True)
+        self.begin_attempt(target_cfg, rollback=True)  # STOPPING|WAITING_GPU -> WAITING_GPU
+
+    def on_backoff_elapsed(self, msg: BackoffElapsed) -> None:
+        if self.current(msg.gen) is None or self.state != S.BACKOFF:
+            return
+        if msg.resolved is None:
+            commands.refuse(self, self.intent_config, msg.error or "the config does not load")
+            return
+        self.restarts += 1
+        self.begin_attempt(msg.resolved)  # BACKOFF -> WAITING_GPU
+
+    def on_task_failed(self, msg: TaskFailed) -> None:
+        """A helper task raised (descriptors exhausted, /proc unreadable, a bug): record it, then
+        recover so the machine never waits for a message that will not come."""
+        self.internal_errors += 1
+        self.event("internal_error", task=msg.name, error=msg.error)
+        launch = self.current(msg.gen)
+        evidence = f"the {msg.name} task failed: {msg.error}"
+        if msg.name == "after_exit":
+            if launch is not None and launch.exited and self.state == S.STOPPING:
+                # Degrade: the exit is handled without the sweep (leftovers may remain; the
+                # next launch's GPU wait still finds and kills holders of ours).
+                self.on_sweep_done(SweepDone(msg.gen, []))
+        elif msg.name == "spawn":
+            self.on_spawn_failed(SpawnFailed(msg.gen, "internal_error", evidence))
+        elif msg.name == "wait_for_gpus":
+            if launch is not None and self.state == S.WAITING_GPU and not launch.spawning:
+                self._fail(launch, Classification("internal_error", evidence))  # retried
+        elif msg.name == "boot_start":
+            if self.state == S.STOPPED:
+                self.last_exit = self.exit_record("internal_error", evidence)
+                self.transition(
+                    S.FAILED, reason="internal_error", detail=evidence
+                )  # STOPPED -> FAILED
+        elif (
+            launch is not None
+            and launch.running
+            and self.state in (S.STARTING, S.READY, S.UNHEALTHY)
+        ):
+            # A probe loop or timer of this launch is gone: nothing would notice a hang or a
+            # timeout any more, so end it and let the restart policy start it afresh.
+            self._end_for_retry(launch, "internal_error", evidence)
+
+    def recover(self, message: str, exc: Exception) -> None:
+        """An internal message whose handling raised (a bug): say so, and where the launch has
+        already exited, go to failed rather than wait in stopping for ever."""
+        self.internal_errors += 1
+        evidence = f"handling {message} failed: {type(exc).__name__}: {exc}"
+        self.event("internal_error", message=message, error=evidence)
+        launch = self.launch
+        if self.state == S.STOPPING and (launch is None or launch.exited):
+            self.transition(
+                S.FAILED, reason="internal_error", detail=evidence
+            )  # STOPPING -> FAILED

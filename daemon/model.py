@@ -1,0 +1,142 @@
+"""Plain data of the lifecycle: a launch attempt, a swap under way, what follows an exit.
+
+The machine (`machine.py`) is the only writer of these, with one exception stated on `Launch`:
+the log pipeline appends a launch's findings as its lines arrive.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from .redact import Redactor
+from .sglanglines import Finding
+from .states import SwapPhase
+
+if TYPE_CHECKING:
+    from .child import ChildProcess
+    from .configs import ResolvedConfig
+    from .launchlog import LaunchLog
+    from .policy import Classification
+
+MAX_FINDINGS = 200
+
+
+class Next(StrEnum):
+    """What to do once a launch has exited and been swept."""
+
+    STOP = "stop"  # stopped on request
+    RELAUNCH = "relaunch"  # a restart or swap: start `next_config`
+    RETRY = "retry"  # we ended it (startup timeout, liveness): the restart policy decides
+    SHUTDOWN = "shutdown"  # the daemon is exiting
+
+
+@dataclass(eq=False)
+class Launch:
+    """One launch attempt, from the GPU wait to the sweep after its exit. `gen` tags every
+    message about it, so a late timer or probe of an earlier attempt is dropped."""
+
+    gen: int
+    config: ResolvedConfig
+    launch_id: str = ""
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    log: LaunchLog | None = None
+    child: ChildProcess | None = None
+    redactor: Redactor = field(default_factory=Redactor)
+    spawning: bool = False  # the host is creating the log and executing the server
+    started_at: float | None = None
+    started_mono: float | None = None
+    ready_at: float | None = None
+    ready_mono: float | None = None
+    # Written by the log pipeline as lines arrive (log data, not lifecycle state): what the
+    # exit's classification reads once the launch has been swept.
+    findings: list[Finding] = field(default_factory=list)
+    finding_times: list[float] = field(default_factory=list)  # monotonic, one per finding
+    exited: bool = False
+    returncode: int | None = None
+    next: Next | None = None
+    next_config: ResolvedConfig | None = None
+    imposed: Classification | None = None
+    announced: str | None = None  # SGLang's line saying the server died
+    # Where this exit's evidence starts in `findings`: DEATH_CONTEXT_S before SGLang's death
+    # line (a watchdog timeout, an OOM logged just before), not a request's error of hours ago.
+    death_at: int | None = None
+    checking_listener: bool = False  # a readiness signal came; who listens is being asked
+    listener_rechecked: bool = False
+    probe_failures: int = 0
+    swap: Swap | None = None  # the swap this attempt belongs to
+    rollback: bool = False  # this attempt is a rollback to the last good config
+    on_probation: bool = False
+    rank_gpus: dict[int, list[int]] | None = None  # GPU -> pids of ours it held at ready
+
+    @property
+    def running(self) -> bool:
+        """A process of this launch exists and has not exited."""
+        return self.child is not None and not self.exited
+
+    def add_findings(self, findings: list[Finding], at: float) -> None:
+        if len(self.findings) < MAX_FINDINGS:
+            self.findings.extend(findings)
+            self.finding_times.extend([at] * len(findings))
+        else:  # keep the first ones and the latest ones
+            self.findings[MAX_FINDINGS // 2 :] = [
+                *self.findings[MAX_FINDINGS // 2 + len(findings) :],
+                *findings,
+            ]
+            self.finding_times[MAX_FINDINGS // 2 :] = [
+                *self.finding_times[MAX_FINDINGS // 2 + len(findings) :],
+                *([at] * len(findings)),
+            ]
+
+    def evidence(self) -> list[Finding]:
+        """The findings that speak for this exit: after SGLang's death line, what it logged
+        long before (a request's traceback hours ago) is no evidence."""
+        if self.death_at is not None and self.death_at < len(self.findings):
+            return self.findings[self.death_at :]
+        return self.findings
+
+
+@dataclass(eq=False)
+class Swap:
+    """A restart under way: a swap to another config, or a restart of the current one."""
+
+    id: str
+    from_config: str | None
+    to_config: str
+    is_swap: bool
+    phase: SwapPhase = SwapPhase.STOPPING
+    outcome_reason: str | None = None  # why it rolled back
+    outcome_evidence: str | None = None
+    launch_ids: list[str] = field(default_factory=list)
+    outcome: dict[str, Any] | None = None
+    # What a failed swap goes back to: the config serving when it began, else last-good
+    # (read when the swap was asked for; None: it did not resolve then).
+    rollback_name: str | None = None
+    rollback_to: ResolvedConfig | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.outcome is None or self.phase == SwapPhase.ROLLING_BACK
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "from": self.from_config,
+            "to": self.to_config,
+            "phase": str(self.phase),
+        }
+
+
+def utc_iso(ts: float | None) -> str | None:
+    """A wall-clock time as the API writes it (pure formatting: no clock is read)."""
+    if ts is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+
+
+def utc_stamp(ts: float) -> str:
+    """A launch id's time part."""
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(ts))

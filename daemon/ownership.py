@@ -1,0 +1,104 @@
+"""Which processes are ours: a launch's tree, the orphans of earlier launches that hold GPU
+memory (by pid and create time, remembered across daemon lives), and the killing of those.
+
+Foreign holders of a GPU are never ours and never killed. Everything here reads /proc: it runs
+in the host's tasks or threads, never inside the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import psutil
+
+from . import child as childmod
+from .gpu import GpuInfo
+
+KnownOurs = Mapping[tuple[int, float], str]
+
+
+def launch_tree(main_pid: int) -> frozenset[tuple[int, float]]:
+    """(pid, create_time) of a launch's main process, its descendants, and the orphans that
+    reparented to this daemon (a subreaper runs one server at a time, so they are its)."""
+    out: set[tuple[int, float]] = set()
+    roots = [main_pid]
+    helpers = childmod.helper_pids()
+    with contextlib.suppress(psutil.Error):
+        me = psutil.Process()
+        roots += [c.pid for c in me.children() if c.pid != main_pid and c.pid not in helpers]
+    for root in roots:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(root)
+            out.add((proc.pid, proc.create_time()))
+            for c in proc.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    out.add((c.pid, c.create_time()))
+    return frozenset(out)
+
+
+def ours(pid: int, known: KnownOurs, unresolved: bool) -> str | None:
+    """The launch id a live process belongs to, if it is ours (pid and create time). Where
+    NVML's pids are of another namespace (`unresolved`), no holder is ours."""
+    if unresolved:
+        return None
+    ct = childmod.create_time_of(pid)
+    if ct is None:
+        return None
+    for (kpid, kct), launch_id in known.items():
+        if kpid == pid and abs(kct - ct) < 0.05:
+            return launch_id
+    return None
+
+
+def unresolved_pids(gpus: tuple[GpuInfo, ...] | list[GpuInfo]) -> tuple[int, ...]:
+    """Holders' pids that do not exist here (NVML reporting another pid namespace)."""
+    return tuple(p.pid for g in gpus for p in g.processes if not psutil.pid_exists(p.pid))
+
+
+async def kill_gpu_orphans(
+    gpus: list[GpuInfo], running: int | None, known: KnownOurs, unresolved: bool
+) -> list[dict[str, Any]]:
+    """Kill the GPU holders that are ours but not the running server (`running`): an earlier
+    launch's orphans. Returns what was killed, for the record."""
+    targets = []
+    for g in gpus:
+        for p in g.processes:
+            if p.pid == running:
+                continue
+            launch_id = ours(p.pid, known, unresolved)
+            ct = childmod.create_time_of(p.pid)
+            if launch_id is not None and ct is not None:
+                targets.append(
+                    (childmod.Leftover(p.pid, ct, p.name, ""), g.index, p.used_mib, launch_id)
+                )
+    if not targets:
+        return []
+    killed = await childmod.kill_leftovers([t[0] for t in targets])
+    return [
+        {"pid": t[0].pid, "name": t[0].name, "gpu": t[1], "used_mib": t[2], "launch_id": t[3]}
+        for t in targets
+        if t[0] in killed
+    ]
+
+
+class TreeCache:
+    """The running launch's pids for status's `ours` marks, walked at most once a second."""
+
+    def __init__(self) -> None:
+        self._cached: tuple[int, float, frozenset[int]] | None = None
+
+    def pids(self, main_pid: int | None) -> frozenset[int]:
+        if main_pid is None:
+            return frozenset()
+        now = time.monotonic()
+        cached = self._cached
+        if cached is not None and cached[0] == main_pid and now - cached[1] < 1.0:
+            return cached[2]
+        pids = {main_pid}
+        with contextlib.suppress(psutil.Error):
+            pids.update(c.pid for c in psutil.Process(main_pid).children(recursive=True))
+        self._cached = (main_pid, now, frozenset(pids))
+        return self._cached[2]

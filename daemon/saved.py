@@ -1,0 +1,114 @@
+"""state.json's shape: what the machine saves after each message, and how a later life of the
+daemon reads it back (before the owner handles its first message).
+
+Pure: the file itself is read and written by `store.py`, on the host's writer thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from .history import LaunchHistory
+from .model import Swap
+from .states import SwapPhase
+
+KNOWN_KEPT = 500  # processes of ours remembered (pid, create time) across lives
+
+
+def record(m: Any, boot_id: str) -> dict[str, Any]:
+    """What is saved of the machine `m` now."""
+    launch = m.launch
+    current = None
+    if launch is not None and launch.running:
+        current = {
+            "launch_id": launch.launch_id,
+            "token": launch.token,
+            "config": launch.config.name,
+            "pid": launch.child.pid,
+            "pgid": launch.child.pgid,
+            "create_time": launch.child.create_time,
+            "boot_id": boot_id,
+            "started_at": launch.started_at,
+        }
+    return {
+        "intent": {"config": m.intent_config, "running": m.intent_running},
+        "last_good_config": m.last_good_config,
+        "last_good_launch": m.last_good_launch,
+        "last_failed_launch": m.last_failed_launch,
+        "failures": m.failures,
+        "launch_seq": m.launch_seq,
+        "current_launch": current,
+        "last_exit": m.last_exit,
+        "launches": list(m.history.entries()),
+        "swap": _swap_record(m),
+        "known_processes": [
+            [pid, ct, lid] for (pid, ct), lid in list(m.known_ours.items())[-KNOWN_KEPT:]
+        ],
+    }
+
+
+def _swap_record(m: Any) -> dict[str, Any] | None:
+    swap = m.swap
+    if swap is None:
+        return None
+    launch = m.launch
+    on_probation = launch is not None and launch.on_probation and launch.swap is swap
+    if not swap.active and not on_probation:
+        return None
+    return {
+        "id": swap.id,
+        "from": swap.from_config,
+        "to": swap.to_config,
+        "is_swap": swap.is_swap,
+        "phase": str(swap.phase) if swap.active else "probation",
+        "rollback_name": swap.rollback_name
+        or (swap.rollback_to.name if swap.rollback_to else None),
+    }
+
+
+def restore(m: Any, data: dict[str, Any], alive: Callable[[int, float], bool]) -> None:
+    """Put a previous life's record into the machine `m` (the dead of its known processes are
+    forgotten: `alive(pid, create_time)` says which live)."""
+    intent = data.get("intent") or {}
+    m.intent_config = intent.get("config")
+    m.intent_running = bool(intent.get("running"))
+    m.last_good_config = data.get("last_good_config")
+    m.last_good_launch = data.get("last_good_launch")
+    m.last_failed_launch = data.get("last_failed_launch")
+    m.launch_seq = int(data.get("launch_seq", 0) or 0)
+    m.history = LaunchHistory(data.get("launches") or [])
+    m.last_exit = data.get("last_exit")
+    for item in data.get("known_processes") or []:
+        with contextlib.suppress(TypeError, ValueError, IndexError):
+            pid, ct, lid = int(item[0]), float(item[1]), str(item[2])
+            if alive(pid, ct):
+                m.known_ours[(pid, ct)] = lid
+
+
+def boot_config(data: dict[str, Any], default_config: str | None) -> str | None:
+    """The config the boot starts: the saved intent's if it was running; with no intent on
+    record (a first boot), `default_config`."""
+    intent = data.get("intent") or {}
+    if intent:
+        return intent.get("config") if intent.get("running") else None
+    return default_config
+
+
+def resumed_swap(record: Any, name: str) -> Swap | None:
+    """A swap the previous life did not finish (or whose probation it did not see out) goes on
+    as that swap, rollback and probation included, if the intent is still its config."""
+    if not isinstance(record, dict) or not record.get("id") or not record.get("to"):
+        return None
+    rolling_back = record.get("phase") == "rolling_back"
+    if name != (record.get("rollback_name") if rolling_back else record.get("to")):
+        return None  # the intent moved on since: nothing to resume
+    return Swap(
+        id=str(record["id"]),
+        from_config=record.get("from"),
+        to_config=str(record["to"]),
+        is_swap=bool(record.get("is_swap", True)),
+        phase=SwapPhase.ROLLING_BACK if rolling_back else SwapPhase.WAITING_GPU,
+        rollback_name=record.get("rollback_name"),
+    )

@@ -1,0 +1,191 @@
+"""What readers see: a frozen snapshot of the machine, taken after a message is handled, and
+the read models built from it (`/status`, the metrics, the dump, sweeps).
+
+Readers never hold the machine's live fields: a snapshot's containers are copies (the history
+tuple holds entries that are replaced, never changed, when a launch ends).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from .configs import ConfigError, ConfigStore
+from .gpu import GpuSnapshot
+from .model import utc_iso
+from .redact import Redactor
+from .states import ServerState
+
+if TYPE_CHECKING:
+    from .launchlog import LaunchLog
+    from .machine import Machine
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    state: ServerState
+    state_since: float
+    gen: int
+    config: str | None  # the launch's config, else the intent's
+    current_config: str | None  # what serves or is on its way to (else the intent's)
+    intent_config: str | None
+    intent_running: bool
+    launch_id: str | None
+    launch_config: str | None
+    pid: int | None  # the running server's main process
+    replacing_port: int | None  # its port (a swap's preflight lets the new config reuse it)
+    started_at: float | None
+    ready_at: float | None
+    ready_mono: float | None
+    log: LaunchLog | None  # the current launch's log (its ring serves /logs and streams)
+    redactor: Redactor  # the current launch's secrets
+    last_good_config: str | None
+    last_good_launch: str | None
+    last_failed_launch: str | None
+    rolled_back_from: str | None
+    swap: Mapping[str, Any] | None
+    restarts: int
+    failures: int
+    crash_loop: bool
+    next_retry_at: float | None
+    last_exit: Mapping[str, Any] | None
+    last_sweep_killed: tuple[Mapping[str, Any], ...]
+    exits_by_reason: Mapping[str, int]
+    ready_times: tuple[float, ...]
+    history: tuple[Mapping[str, Any], ...]
+    active_sweep: str | None
+    gpu_snapshot: GpuSnapshot
+    gpu_pids_unresolved: bool
+    known_ours: Mapping[tuple[int, float], str]
+    watching_ranks: bool
+    server_metrics: Mapping[str, Any]
+    write_errors: Mapping[str, str]
+    write_failures: Mapping[str, int]
+    internal_errors: int
+
+
+def take(m: Machine) -> Snapshot:
+    launch = m.launch
+    swap = m.swap
+    return Snapshot(
+        state=m.state,
+        state_since=m.state_since,
+        gen=m.gen,
+        config=launch.config.name if launch else m.intent_config,
+        current_config=m.current_config(),
+        intent_config=m.intent_config,
+        intent_running=m.intent_running,
+        launch_id=(launch.launch_id or None) if launch else None,
+        launch_config=launch.config.name if launch else None,
+        pid=launch.child.pid if launch and launch.child and launch.running else None,
+        replacing_port=launch.config.port if launch and launch.running else None,
+        started_at=launch.started_at if launch else None,
+        ready_at=launch.ready_at if launch else None,
+        ready_mono=launch.ready_mono if launch else None,
+        log=launch.log if launch else None,
+        redactor=launch.redactor if launch else Redactor(),
+        last_good_config=m.last_good_config,
+        last_good_launch=m.last_good_launch,
+        last_failed_launch=m.last_failed_launch,
+        rolled_back_from=m.rolled_back_from,
+        swap=MappingProxyType(swap.view()) if swap is not None and swap.active else None,
+        restarts=m.restarts,
+        failures=m.failures,
+        crash_loop=m.crash_loop,
+        next_retry_at=m.next_retry_at,
+        last_exit=m.last_exit,
+        last_sweep_killed=tuple(m.last_sweep_killed),
+        exits_by_reason=MappingProxyType(dict(m.exits_by_reason)),
+        ready_times=tuple(m.ready_times),
+        history=m.history.entries(),
+        active_sweep=m.active_sweep,
+        gpu_snapshot=m.gpu_snapshot,
+        gpu_pids_unresolved=m.gpu_pids_unresolved,
+        known_ours=MappingProxyType(dict(m.known_ours)),
+        watching_ranks=bool(launch is not None and launch.rank_gpus),
+        server_metrics=MappingProxyType(dict(m.server_metrics)),
+        write_errors=MappingProxyType(dict(m.write_errors)),
+        write_failures=MappingProxyType(dict(m.write_failures)),
+        internal_errors=m.internal_errors,
+    )
+
+
+def status(
+    snap: Snapshot,
+    *,
+    now_mono: float,
+    our_pids: frozenset[int],
+    gpu_backend: str,
+    sweep: dict[str, Any] | None,
+    supervising: bool,
+) -> dict[str, Any]:
+    """The body of `GET /status`."""
+    uptime = None
+    if snap.pid is not None and snap.ready_mono is not None:
+        uptime = round(now_mono - snap.ready_mono, 3)
+    gpus = [
+        {
+            "index": g.index,
+            "uuid": g.uuid,
+            "used_mib": g.used_mib,
+            "total_mib": g.total_mib,
+            "utilization_pct": g.utilization_pct,
+            "processes": [
+                {"pid": p.pid, "name": p.name, "used_mib": p.used_mib, "ours": p.pid in our_pids}
+                for p in g.processes
+            ],
+        }
+        for g in snap.gpu_snapshot.gpus
+    ]
+    return {
+        "state": str(snap.state),
+        "config": snap.config,
+        "intent": {"config": snap.intent_config, "running": snap.intent_running},
+        "pid": snap.pid,
+        "launch_id": snap.launch_id,
+        "started_at": utc_iso(snap.started_at),
+        "ready_at": utc_iso(snap.ready_at),
+        "uptime_s": uptime,
+        "restarts": snap.restarts,
+        "failures": snap.failures,
+        "crash_loop": snap.crash_loop,
+        "next_retry_at": utc_iso(snap.next_retry_at),
+        "last_exit": dict(snap.last_exit) if snap.last_exit is not None else None,
+        "log_file": str(snap.log.path) if snap.log else None,
+        "last_good_config": snap.last_good_config,
+        "rolled_back_from": snap.rolled_back_from,
+        "swap": dict(snap.swap) if snap.swap is not None else None,
+        "sweep": {k: sweep[k] for k in ("id", "done", "total", "current")} if sweep else None,
+        "last_sweep_killed": [dict(k) for k in snap.last_sweep_killed],
+        "gpus": gpus,
+        "gpu_backend": gpu_backend,
+        "gpu_error": snap.gpu_snapshot.error,
+        "gpu_snapshot_age_s": round(max(0.0, time.monotonic() - snap.gpu_snapshot.taken_at), 3),
+        "gpu_pids_unresolved": snap.gpu_pids_unresolved,
+        "server_metrics": dict(snap.server_metrics) or None,
+        "write_errors": dict(snap.write_errors),
+        "internal_errors": snap.internal_errors,
+        "supervising": supervising,
+    }
+
+
+def ring_lines(snap: Snapshot, n: int) -> list[str]:
+    """The current launch's last `n` lines, redacted."""
+    if snap.log is None:
+        return []
+    return [snap.redactor.text(e.text) for e in snap.log.ring.tail(n)]
+
+
+def redactor_for(snap: Snapshot, configs: ConfigStore, config: str | None) -> Redactor:
+    """A redactor for an earlier launch's log: its config's secrets (if it still resolves),
+    the current launch's, and the generic key=value rules."""
+    redactor = Redactor()
+    if config:
+        with contextlib.suppress(ConfigError):
+            redactor.add(configs.load(config).secret_values())
+    redactor.add(snap.redactor.secrets)
+    return redactor

@@ -1,0 +1,424 @@
+"""The machine without processes: a recording host takes its effects, the test plays the
+messages the host would post, edge by edge. Every row of `TRANSITIONS` and of `PHASES` is
+reached from some message, and nothing else is allowed."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuwarden.daemon.configs import ConfigStore, ResolvedConfig
+from gpuwarden.daemon.errors import CommandError
+from gpuwarden.daemon.listener import ListenerCheck
+from gpuwarden.daemon.machine import Machine
+from gpuwarden.daemon.messages import (
+    BackoffElapsed,
+    ChildExited,
+    GpuWaitDone,
+    LineParsed,
+    ListenerChecked,
+    Message,
+    ProbeFailed,
+    ProbeSucceeded,
+    RestartRequested,
+    ShutdownRequested,
+    Spawned,
+    SpawnFailed,
+    StartRequested,
+    StopRequested,
+    SweepDone,
+)
+from gpuwarden.daemon.model import Launch, Swap
+from gpuwarden.daemon.preflight import PreflightResult
+from gpuwarden.daemon.sglanglines import ParsedLine
+from gpuwarden.daemon.states import (
+    PHASES,
+    TRANSITIONS,
+    ServerState,
+    SwapPhase,
+    TransitionError,
+    check_phase,
+    check_transition,
+)
+
+from .test_supervisor import FakeClock, make_settings, write_configs
+
+S = ServerState
+P = SwapPhase
+
+
+@dataclass
+class FakeChild:
+    """What the machine reads of a process (it never signals one itself: the host does)."""
+
+    pid: int
+    pgid: int = 0
+    create_time: float = 0.0
+
+
+@dataclass
+class FakeLog:
+    path: Path
+
+
+@dataclass
+class RecordingHost:
+    """Takes the machine's effects and keeps them, in order."""
+
+    calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def record(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+
+    def __getattr__(self, name: str) -> Any:
+        def effect(*args: Any, **kw: Any) -> None:
+            self.calls.append((name, (*args, *kw.values())))
+
+        return effect
+
+    def called(self, name: str) -> list[tuple[Any, ...]]:
+        return [args for n, args in self.calls if n == name]
+
+
+class PhaseSpy(Machine):
+    """The machine, with each swap phase change it makes kept."""
+
+    phases: list[tuple[SwapPhase, SwapPhase]]
+
+    def set_phase(self, swap: Swap, new: SwapPhase) -> None:
+        old = swap.phase
+        super().set_phase(swap, new)
+        if old != new:
+            self.phases.append((old, new))
+
+
+class World:
+    """A machine, its recording host, the configs it may run and a pid for each spawn."""
+
+    def __init__(self, root: Path, **settings: Any) -> None:
+        write_configs(root, {name: _config(port) for name, port in (("a", 18001), ("b", 18002))})
+        self.configs = ConfigStore(root / "configs")
+        self.host = RecordingHost()
+        self.clock = FakeClock()
+        self.root = root
+        self.m = PhaseSpy(make_settings(root, **settings), self.host, self.clock, random.Random(1))
+        self.m.phases = []
+        self.pids = 1000
+        self.ticket = 0
+
+    def cfg(self, name: str) -> ResolvedConfig:
+        return self.configs.load(name)
+
+    def send(self, msg: Message) -> Any:
+        return self.m.handle(msg)
+
+    def edges(self) -> set[tuple[ServerState, ServerState]]:
+        return {(S(r["from"]), S(r["to"])) for r in self.host.records if r["event"] == "state"}
+
+    @property
+    def launch(self) -> Launch:
+        assert self.m.launch is not None
+        return self.m.launch
+
+    def next_ticket(self) -> int:
+        self.ticket += 1
+        return self.ticket
+
+    # -- what the host would post ------------------------------------------------------------
+
+    def start(self, name: str = "a", ok: bool = True) -> Any:
+        pre = PreflightResult(ok=ok, problems=[] if ok else ["port 18001 is taken"])
+        msg = StartRequested(
+            name, preflight=pre, resolved=self.cfg(name), ticket=self.next_ticket()
+        )
+        return self.send(msg)
+
+    def restart(self, name: str, **kw: Any) -> Any:
+        msg = RestartRequested(name, resolved=self.cfg(name), ticket=self.next_ticket(), **kw)
+        return self.send(msg)
+
+    def stop(self) -> Any:
+        return self.send(StopRequested(ticket=self.next_ticket()))
+
+    def gpus_free(self) -> None:
+        self.send(GpuWaitDone(self.launch.gen, True))
+
+    def spawned(self) -> None:
+        self.pids += 1
+        self.send(Spawned(self.launch.gen, FakeChild(self.pids), FakeLog(self.root / "x.log")))
+
+    def ready(self) -> None:
+        self.send(ProbeSucceeded(self.launch.gen, "200 /health"))
+        self.send(ListenerChecked(self.launch.gen, "200 /health", ListenerCheck(True, "ours")))
+
+    def up(self, name: str = "a") -> None:
+        self.start(name)
+        self.gpus_free()
+        self.spawned()
+        self.ready()
+
+    def exits(self, code: int = 1) -> None:
+        gen = self.launch.gen
+        self.send(ChildExited(gen, code))
+        self.send(SweepDone(gen, []))
+
+    def relaunch(self) -> None:
+        """The next attempt of a restart or swap, to a running server."""
+        self.gpus_free()
+        self.spawned()
+
+
+def _config(port: int) -> dict[str, Any]:
+    return {
+        "command": ["/bin/true"],
+        "args": {"model-path": "m", "port": port},
+        "health": {"startup_timeout_s": 30, "interval_s": 1, "timeout_s": 1, "failures": 2},
+    }
+
+
+FAST = {"restart": {"probation_s": 0}}
+
+
+# -- the state table ------------------------------------------------------------------------------
+
+
+def _every_edge(root: Path) -> set[tuple[ServerState, ServerState]]:
+    """Drive one fresh machine per scenario; return every state edge they took together."""
+    seen: set[tuple[ServerState, ServerState]] = set()
+
+    def world(name: str, **settings: Any) -> World:
+        folder = root / name
+        folder.mkdir()
+        return World(folder, **{**FAST, **settings})
+
+    w = world("refused")  # STOPPED -> FAILED -> WAITING_GPU -> STOPPED; FAILED -> STOPPED
+    with pytest.raises(CommandError):
+        w.start(ok=False)
+    w.start()
+    w.stop()
+    with pytest.raises(CommandError):
+        w.start(ok=False)
+    w.stop()
+    seen |= w.edges()
+
+    w = world("crash")  # up, crash, backoff, retry; a stop in backoff
+    w.up()
+    w.exits(1)  # READY -> STOPPING -> BACKOFF
+    w.send(BackoffElapsed(w.launch.gen, w.cfg("a")))  # BACKOFF -> WAITING_GPU
+    w.gpus_free()
+    w.spawned()
+    w.exits(1)  # STARTING -> STOPPING -> BACKOFF
+    w.stop()  # BACKOFF -> STOPPED
+    seen |= w.edges()
+
+    w = world("unloadable")  # BACKOFF -> FAILED: the config no longer reads at the retry
+    w.up()
+    w.exits(1)
+    w.send(BackoffElapsed(w.launch.gen, None, "a.yaml: not valid YAML"))
+    seen |= w.edges()
+
+    w = world("busy", restart={"max_failures": 1})  # WAITING_GPU -> FAILED; STOPPING -> FAILED
+    w.start()
+    w.send(GpuWaitDone(w.launch.gen, False, "GPU 0: pid 7 holds 900 MiB"))
+    w.start()
+    w.gpus_free()
+    w.spawned()
+    w.exits(1)
+    seen |= w.edges()
+
+    w = world("retried")  # WAITING_GPU -> BACKOFF (the exec failed)
+    w.start()
+    w.gpus_free()
+    w.send(SpawnFailed(w.launch.gen, "exec_failed", "cannot execute '/nope'"))
+    seen |= w.edges()
+
+    w = world("liveness")  # READY -> UNHEALTHY -> STOPPING
+    w.up()
+    for _ in range(2):
+        w.send(ProbeFailed(w.launch.gen, "connection refused"))
+    seen |= w.edges()
+
+    w = world("swap")  # STOPPING -> WAITING_GPU (a restart), WAITING_GPU -> STOPPED
+    w.up()
+    w.restart("b")
+    w.exits(0)
+    w.stop()
+    seen |= w.edges()
+
+    w = world("spawning")  # WAITING_GPU -> STOPPING: a stop while the server is executed
+    w.start()
+    w.gpus_free()
+    reply = w.stop()
+    assert reply["state"] == "stopping"  # answered at once: nothing awaited the exec
+    w.spawned()  # it exists now: it is stopped at once
+    assert w.host.called("terminate")
+    w.exits(0)  # STOPPING -> STOPPED
+    assert w.m.state == S.STOPPED
+    seen |= w.edges()
+    return seen
+
+
+async def test_every_listed_transition_is_reached_and_no_other_is_made(tmp_path: Path) -> None:
+    seen = _every_edge(tmp_path)
+    listed = {(a, b) for a, targets in TRANSITIONS.items() for b in targets}
+    assert seen - listed == set()  # the machine made no edge the table does not list
+    assert listed - seen == set()  # and the table lists no edge nothing makes
+
+
+def test_every_unlisted_transition_is_refused() -> None:
+    for old in ServerState:
+        for new in ServerState:
+            if new in TRANSITIONS[old]:
+                check_transition(old, new)
+            else:
+                with pytest.raises(TransitionError):
+                    check_transition(old, new)
+
+
+# -- the swap's phases ----------------------------------------------------------------------------
+
+
+def _every_phase_edge(root: Path) -> set[tuple[SwapPhase, SwapPhase]]:
+    seen: set[tuple[SwapPhase, SwapPhase]] = set()
+
+    def world(name: str, **settings: Any) -> World:
+        folder = root / name
+        folder.mkdir()
+        return World(folder, **settings)
+
+    w = world("ready", **FAST)  # STOPPING -> WAITING_GPU -> STARTING -> DONE
+    w.up()
+    w.restart("b")
+    w.exits(0)
+    w.relaunch()
+    w.ready()
+    assert w.m.swap is not None and w.m.swap.outcome is not None
+    assert w.m.swap.outcome["outcome"] == "ready"
+    seen |= set(w.m.phases)
+
+    w = world("first-start", **FAST)  # STARTING -> ROLLING_BACK -> DONE (rolled back)
+    w.up()
+    w.restart("b")
+    w.exits(0)
+    w.relaunch()
+    w.exits(1)  # b's first start fails: back to a at once
+    assert w.m.state == S.WAITING_GPU and w.launch.config.name == "a"
+    w.relaunch()
+    w.ready()
+    assert w.m.swap is not None and w.m.swap.outcome is not None
+    assert w.m.swap.outcome["outcome"] == "rolled_back"
+    seen |= set(w.m.phases)
+
+    w = world("gpu-busy", **FAST)  # WAITING_GPU -> ROLLING_BACK
+    w.up()
+    w.restart("b")
+    w.exits(0)
+    w.send(GpuWaitDone(w.launch.gen, False, "GPU 0 busy"))
+    seen |= set(w.m.phases)
+
+    w = world("stop-waiting", **FAST)  # WAITING_GPU -> DONE: stopped in the new GPU wait
+    w.up()
+    w.restart("b")
+    w.exits(0)
+    w.stop()
+    seen |= set(w.m.phases)
+
+    w = world("stop-stopping", **FAST)  # STOPPING -> DONE
+    w.up()
+    w.restart("b")
+    w.stop()
+    seen |= set(w.m.phases)
+
+    w = world(
+        "probation", restart={"probation_s": 60}
+    )  # a failed probation: STOPPING -> ROLLING_BACK
+    w.up()
+    w.restart("b")
+    w.exits(0)
+    w.relaunch()
+    w.ready()
+    assert w.launch.on_probation
+    w.exits(1)
+    assert w.m.swap is not None and w.m.swap.phase == P.ROLLING_BACK
+    assert w.m.intent_config == "a"
+    seen |= set(w.m.phases)
+    return seen
+
+
+async def test_every_listed_phase_change_is_reached_and_no_other_is_made(tmp_path: Path) -> None:
+    seen = _every_phase_edge(tmp_path)
+    listed = {(a, b) for a, targets in PHASES.items() for b in targets}
+    assert seen - listed == set()
+    assert listed - seen == set()
+
+
+def test_every_unlisted_phase_change_is_refused() -> None:
+    for old in SwapPhase:
+        for new in SwapPhase:
+            if new in PHASES[old]:
+                check_phase(old, new)
+            else:
+                with pytest.raises(TransitionError):
+                    check_phase(old, new)
+
+
+# -- decisions, one by one ------------------------------------------------------------------------
+
+
+async def test_a_crash_is_retried_after_the_backoff_with_the_config_read_again(
+    tmp_path: Path,
+) -> None:
+    w = World(tmp_path, **FAST)
+    w.up()
+    gen = w.launch.gen
+    w.exits(1)
+    assert w.m.state == S.BACKOFF and w.m.failures == 1
+    [(delay, retry_gen, name)] = w.host.called("retry_after")
+    assert retry_gen == gen and name == "a" and delay >= 0
+    w.send(BackoffElapsed(gen, w.cfg("a")))
+    assert w.m.state == S.WAITING_GPU and w.m.restarts == 1
+    assert w.host.called("wait_for_gpus")[-1][0] is w.launch
+
+
+async def test_a_stop_wins_over_a_start_asked_for_before_it(tmp_path: Path) -> None:
+    w = World(tmp_path, **FAST)
+    early = w.next_ticket()  # a start asked for, its preflight still running
+    w.stop()
+    msg = StartRequested("a", preflight=PreflightResult(ok=True), resolved=w.cfg("a"), ticket=early)
+    with pytest.raises(CommandError) as refused:
+        w.send(msg)
+    assert refused.value.error == "conflict"
+    assert w.m.state == S.STOPPED
+
+
+async def test_a_death_line_ends_the_launch_at_once(tmp_path: Path) -> None:
+    w = World(tmp_path, **FAST)
+    w.up()
+    line = "[2026-01-01 00:00:00] Subprocess scheduler_0 (pid=9) crashed with exit code -9."
+    w.send(LineParsed(w.launch.gen, ParsedLine(death=True), line))
+    assert w.m.state == S.STOPPING
+    assert w.host.called("kill_group")  # no grace: it is dead already
+    assert not w.host.called("terminate")
+
+
+async def test_a_shutdown_while_running_finishes_after_the_sweep(tmp_path: Path) -> None:
+    w = World(tmp_path, **FAST)
+    w.up()
+    w.send(ShutdownRequested())
+    assert not w.m.finished and w.m.state == S.STOPPING
+    w.exits(0)
+    assert w.m.finished and w.m.state == S.STOPPED
+    assert w.m.intent_running  # the saved intent is kept for the next life
+
+
+async def test_a_sweep_step_for_the_config_already_ready_does_nothing(tmp_path: Path) -> None:
+    w = World(tmp_path, **FAST)
+    w.up()
+    reply = w.restart("a", ensure=True)
+    assert reply["swap_id"] is None and w.m.state == S.READY
+    assert w.m.swap is None
