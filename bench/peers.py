@@ -326,7 +326,7 @@ class Gpuwarden(Tool):
             [
                 PY,
                 "-m",
-                "gpuwarden.daemon.cli",
+                "gpuwarden.api.cli",
                 "serve",
                 "--settings",
                 str(self.root / "settings.yaml"),
@@ -846,7 +846,7 @@ def measure_gpu_freed(rounds: int, tmp: Path) -> dict[str, list[float]]:
     tool = Gpuwarden(root, prog)
 
     def hold() -> subprocess.Popen[bytes]:
-        argv = [PY, "-m", "gpuwarden.daemon.cli", "fake-gpu", "hold", "--gpu", "0", "--mib"]
+        argv = [PY, "-m", "gpuwarden.api.cli", "fake-gpu", "hold", "--gpu", "0", "--mib"]
         h = subprocess.Popen([*argv, "100000", "--dir", str(fake)], stdout=subprocess.PIPE)
         assert h.stdout is not None
         h.stdout.readline()  # "pid N holds ..." once its holder file is written

@@ -18,7 +18,7 @@ def _env() -> dict[str, str]:
 
 def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [PY, "-m", "gpuwarden.daemon.cli", *map(str, args)],
+        [PY, "-m", "gpuwarden.api.cli", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -47,7 +47,7 @@ def cli_into_closed_pipe(*args: str | Path) -> subprocess.CompletedProcess[str]:
     os.close(read_end)
     try:
         return subprocess.run(
-            [PY, "-m", "gpuwarden.daemon.cli", *map(str, args)],
+            [PY, "-m", "gpuwarden.api.cli", *map(str, args)],
             stdout=write_end,
             stderr=subprocess.PIPE,
             text=True,

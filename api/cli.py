@@ -8,7 +8,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from gpuwarden.daemon import client, demo, fakegpu_cli, serve
+from . import client, demo, fakegpu_cli, serve
 
 
 def build_parser() -> argparse.ArgumentParser:

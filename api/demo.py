@@ -128,8 +128,9 @@ def banner(root: Path, host: str, port: int, server_port: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from gpuwarden.daemon import logsetup  # noqa: PLC0415
-    from gpuwarden.daemon.serve import serve  # noqa: PLC0415
     from gpuwarden.daemon.settings import SettingsError, load_settings  # noqa: PLC0415
+
+    from .serve import serve  # noqa: PLC0415
 
     root = (args.dir or Path(tempfile.mkdtemp(prefix="gpuwarden-demo-"))).resolve()
     server_port = free_port()

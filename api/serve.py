@@ -20,9 +20,6 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from gpuwarden.api.app import create_app
-from gpuwarden.api.connections import guarded_h11
-from gpuwarden.api.guard import is_loopback
 from gpuwarden.daemon import child as childmod
 from gpuwarden.daemon import logsetup
 from gpuwarden.daemon.gpu import make_backend
@@ -31,6 +28,10 @@ from gpuwarden.daemon.settings import Settings, SettingsError, load_settings
 from gpuwarden.daemon.supervisor import Supervisor
 from gpuwarden.daemon.systemd import Notifier
 from gpuwarden.standin import fakegpu
+
+from .app import create_app
+from .connections import guarded_h11
+from .guard import is_loopback
 
 log = structlog.get_logger("gpuwarden")
 
