@@ -1,4 +1,7 @@
-"""The ``gpuwarden`` command line."""
+"""The ``gpuwarden`` command line.
+
+Starting it imports the client commands only: `serve` and `demo` bring the control plane and
+the supervisor (fastapi, uvicorn, pydantic), imported when one of them runs."""
 
 from __future__ import annotations
 
@@ -7,8 +10,41 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from . import client, demo, fakegpu_cli, serve
+from . import client, fakegpu_cli
+
+DEMO_DEFAULT_LISTEN = "127.0.0.1:8600"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .serve import run  # noqa: PLC0415 - the daemon, only when it runs
+
+    return run(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run  # noqa: PLC0415 - the daemon, only when it runs
+
+    return run(args)
+
+
+def add_serve_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    # SUPPRESS: `gpuwarden --settings FILE serve` keeps the main parser's value.
+    p.add_argument("--settings", type=Path, default=argparse.SUPPRESS, help="settings YAML")
+    p.add_argument("--listen", default=None, help="control plane HOST:PORT (overrides settings)")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("demo", help="run the daemon on the bundled SGLang stand-in")
+    p.add_argument(
+        "--listen",
+        default=os.environ.get("GPUWARDEN_LISTEN", DEMO_DEFAULT_LISTEN),
+        help=f"control plane HOST:PORT (default $GPUWARDEN_LISTEN, else {DEMO_DEFAULT_LISTEN}; "
+        "port 0 picks a free one)",
+    )
+    p.add_argument("--dir", type=Path, default=None, help="demo folder (default: a temp dir)")
+    p.set_defaults(func=_demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,8 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[client.global_flags(on_subcommand=False)],
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve.add_parser(sub)
-    demo.add_parser(sub)
+    add_serve_parsers(sub)
     client.add_parsers(sub)
     fakegpu_cli.add_parser(sub)
     return parser

@@ -15,7 +15,6 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Generator
-from pathlib import Path
 
 import structlog
 import uvicorn
@@ -58,14 +57,6 @@ class _Server(uvicorn.Server):
     def exit(self) -> None:
         self.should_exit = True
         self._exit.set()
-
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="run the daemon in the foreground")
-    # SUPPRESS: `gpuwarden --settings FILE serve` keeps the main parser's value.
-    p.add_argument("--settings", type=Path, default=argparse.SUPPRESS, help="settings YAML")
-    p.add_argument("--listen", default=None, help="control plane HOST:PORT (overrides settings)")
-    p.set_defaults(func=run)
 
 
 def use_pidfd_watcher(loop: asyncio.AbstractEventLoop) -> None:
