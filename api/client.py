@@ -7,7 +7,6 @@ reason on stderr; a ``restart --wait`` that ended in a rollback is a failure), 2
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -15,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
+from .transport import Client, ConnectFailed, InvalidUrl, Response, TransportError
 
 DEFAULT_URL = "http://127.0.0.1:8600"
 
@@ -144,7 +143,7 @@ def resolve_target(args: argparse.Namespace) -> None:
         args.token_file = settings.token_file
 
 
-def _client(args: argparse.Namespace, timeout: float | None = 30.0) -> httpx.Client:
+def _client(args: argparse.Namespace, timeout: float | None = 30.0) -> Client:
     token = os.environ.get("GPUWARDEN_TOKEN")
     if args.token_file is not None:
         try:
@@ -152,7 +151,7 @@ def _client(args: argparse.Namespace, timeout: float | None = 30.0) -> httpx.Cli
         except OSError as exc:
             raise ClientError(f"{args.token_file}: {exc.strerror}") from exc
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.Client(base_url=args.url, headers=headers, timeout=timeout, trust_env=False)
+    return Client(args.url, headers, timeout)
 
 
 def _call(
@@ -163,13 +162,12 @@ def _call(
     ok: tuple[int, ...] = (200, 202),
     timeout: float | None = 30.0,
     **kw: Any,
-) -> httpx.Response:
+) -> Response:
     try:
-        with _client(args, timeout) as c:
-            res = c.request(method, path, **kw)
-    except httpx.ConnectError as exc:
+        res = _client(args, timeout).request(method, path, **kw)
+    except ConnectFailed as exc:
         raise ClientError(f"cannot reach the daemon at {args.url}: {exc}") from exc
-    except httpx.HTTPError as exc:
+    except TransportError as exc:
         raise ClientError(f"{method} {path}: {exc}") from exc
     if res.status_code not in ok:
         try:
@@ -290,10 +288,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def _follow(args: argparse.Namespace) -> int:
     try:
-        with (
-            _client(args, timeout=None) as c,
-            c.stream("GET", "/logs/stream", params={"history": args.lines}) as res,
-        ):
+        with _client(args, timeout=None).stream(
+            "GET", "/logs/stream", params={"history": args.lines}
+        ) as res:
             if res.status_code != 200:
                 raise ClientError(f"/logs/stream: {res.status_code}")
             event = "line"
@@ -303,9 +300,11 @@ def _follow(args: argparse.Namespace) -> int:
                 elif raw.startswith("data: "):
                     text = raw[6:]
                     print(text if event == "line" else f"({text})", flush=True)
-    except httpx.ConnectError as exc:
+    except ConnectFailed as exc:
         raise ClientError(f"cannot reach the daemon at {args.url}: {exc}") from exc
-    except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+    except InvalidUrl as exc:
+        raise ClientError(f"GET /logs/stream: {exc}") from exc
+    except TransportError as exc:
         # The daemon ends a stream whose reader took nothing for log_stream.send_timeout_s,
         # and every stream when it stops.
         raise ClientError(f"the daemon ended the log stream: {exc}") from exc
@@ -349,6 +348,8 @@ def cmd_configs(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     if args.offline:
+        import asyncio  # noqa: PLC0415 - only the offline check runs a loop
+
         data = asyncio.run(_check_offline(args))
     else:
         data = _call(args, "POST", f"/configs/{args.config}/check", ok=(200, 422)).json()
