@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import client, fakegpu_cli
+from . import client, fakegpu_cli, target
 
 DEMO_DEFAULT_LISTEN = "127.0.0.1:8600"
 
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpuwarden",
         description="Supervise an SGLang inference server on a GPU host.",
-        parents=[client.global_flags(on_subcommand=False)],
+        parents=[target.global_flags(on_subcommand=False)],
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_serve_parsers(sub)
