@@ -25,6 +25,7 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check daemon api standin tests bench
 	$(BIN)/ruff format --check daemon api standin tests bench
+	$(BIN)/lint-imports
 
 typecheck: setup
 	$(BIN)/mypy -p gpuwarden.daemon -p gpuwarden.api -p gpuwarden.standin
@@ -46,7 +47,7 @@ standin-table: setup
 	$(BIN)/python -m gpuwarden.standin.table tests/fixtures/sglang-0.5.23-help.txt standin/data/options-0.5.23.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache .import_linter_cache
 
 # Benchmarks print figures; they are not part of `make test`. The peers (supervisord from PyPI,
 # PM2 from npm with this machine's node) are installed into bench/.peers, apart from the project.

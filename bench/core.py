@@ -56,7 +56,7 @@ class Daemon:
         self.log_path = root / "daemon.log"
         self.log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [PY, "-m", "gpuwarden.daemon.cli", "serve", "--settings", str(root / "settings.yaml")],
+            [PY, "-m", "gpuwarden.api.cli", "serve", "--settings", str(root / "settings.yaml")],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -48,6 +48,7 @@ import core  # noqa: E402 - bench/core.py, next to this file
 PY = core.PY
 PEERS = Path(os.environ.get("GPUWARDEN_BENCH_PEERS", HERE / ".peers"))
 SUPERVISORD = PEERS / "venv" / "bin" / "supervisord"
+SUPERVISORCTL = PEERS / "venv" / "bin" / "supervisorctl"
 PM2_PREFIX = PEERS / "npm"
 PM2_BIN = PM2_PREFIX / "node_modules" / ".bin" / "pm2"
 PM2_MODULE = PM2_PREFIX / "node_modules" / "pm2"
@@ -276,6 +277,10 @@ class Tool:
     def close(self) -> None:
         raise NotImplementedError
 
+    def status_command(self) -> tuple[list[str], dict[str, str]]:
+        """The tool's own CLI asking for the child's status, and its environment."""
+        raise NotImplementedError
+
     def wait_event(self, kind: str, count: int = 1, timeout: float = 60) -> list[Event]:
         found: list[Event] = []
 
@@ -326,7 +331,7 @@ class Gpuwarden(Tool):
             [
                 PY,
                 "-m",
-                "gpuwarden.daemon.cli",
+                "gpuwarden.api.cli",
                 "serve",
                 "--settings",
                 str(self.root / "settings.yaml"),
@@ -407,6 +412,9 @@ class Gpuwarden(Tool):
     def close(self) -> None:
         end(self.proc)
         self._reader.join(10)
+
+    def status_command(self) -> tuple[list[str], dict[str, str]]:
+        return [str(Path(PY).parent / "gpuwarden"), "status", "--url", self.url], dict(os.environ)
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -522,6 +530,9 @@ class Supervisord(Tool):
         info = self.rpc.supervisor.getProcessInfo("child")
         return str(info["statename"])  # type: ignore[index]
 
+    def status_command(self) -> tuple[list[str], dict[str, str]]:
+        return [str(SUPERVISORCTL), "-s", f"unix://{self.sock}", "status"], dict(os.environ)
+
     def close(self) -> None:
         end(self.proc)
 
@@ -611,6 +622,9 @@ class Pm2(Tool):
     def state(self) -> str:
         procs = json.loads(self._pm2("jlist"))
         return str(procs[0]["pm2_env"]["status"]) if procs else "absent"
+
+    def status_command(self) -> tuple[list[str], dict[str, str]]:
+        return [str(PM2_BIN), "status"], self._env()
 
     def close(self) -> None:
         if self.observer is not None:
@@ -803,7 +817,8 @@ def measure_grandchild(cls: type[Tool], kind: str, tmp: Path) -> dict[str, Any]:
     return {"survived": survived}
 
 
-def measure_idle(cls: type[Tool], seconds: float, tmp: Path) -> dict[str, float]:
+def measure_idle(cls: type[Tool], seconds: float, cli_runs: int, tmp: Path) -> dict[str, Any]:
+    """CPU and RSS with one sleeping child; then the tool's CLI asking for its status."""
     prog = Program(py(READY_SLEEPER), observe=False)
     with running(cls, tmp / f"{cls.name}-idle", prog) as tool:
         proc = psutil.Process(tool.supervisor_pid())
@@ -813,7 +828,39 @@ def measure_idle(cls: type[Tool], seconds: float, tmp: Path) -> dict[str, float]
         time.sleep(seconds)
         c1 = proc.cpu_times()
         rss = proc.memory_info().rss / 2**20
-    return {"cpu_pct": (c1.user + c1.system - c0.user - c0.system) / seconds * 100, "rss_mib": rss}
+        cli_s = time_command(*tool.status_command(), cli_runs)
+    return {
+        "cpu_pct": (c1.user + c1.system - c0.user - c0.system) / seconds * 100,
+        "rss_mib": rss,
+        "cli_status_s": cli_s,
+    }
+
+
+def time_command(argv: list[str], env: dict[str, str], runs: int) -> list[float]:
+    """Wall times of `runs` runs of a command, start to exit (each must succeed)."""
+    walls = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        subprocess.run(argv, env=env, capture_output=True, check=True, stdin=subprocess.DEVNULL)
+        walls.append(time.perf_counter() - t0)
+    return walls
+
+
+def measure_idle_unconfigured(seconds: float, tmp: Path) -> float:
+    """gpuwarden's RSS with nothing to supervise: no default config, a fake 8-GPU host."""
+    from gpuwarden.standin import fakegpu  # noqa: PLC0415
+
+    root = tmp / "idle-unconfigured"
+    fakegpu.init_dir(root / "fakegpu", fakegpu.DEFAULT_COUNT, fakegpu.DEFAULT_TOTAL_MIB, 0.0)
+    prog = Program(
+        py(SLEEPER),
+        observe=False,
+        gw_settings={"default_config": None, "gpu": {"backend": "fake"}},
+        gw_env={fakegpu.ENV_DIR: str(root / "fakegpu")},
+    )
+    with running(Gpuwarden, root, prog) as tool:
+        time.sleep(1.0 + seconds)
+        return float(psutil.Process(tool.supervisor_pid()).memory_info().rss / 2**20)
 
 
 # -- gpuwarden only ----------------------------------------------------------------------------
@@ -846,7 +893,7 @@ def measure_gpu_freed(rounds: int, tmp: Path) -> dict[str, list[float]]:
     tool = Gpuwarden(root, prog)
 
     def hold() -> subprocess.Popen[bytes]:
-        argv = [PY, "-m", "gpuwarden.daemon.cli", "fake-gpu", "hold", "--gpu", "0", "--mib"]
+        argv = [PY, "-m", "gpuwarden.api.cli", "fake-gpu", "hold", "--gpu", "0", "--mib"]
         h = subprocess.Popen([*argv, "100000", "--dir", str(fake)], stdout=subprocess.PIPE)
         assert h.stdout is not None
         h.stdout.readline()  # "pid N holds ..." once its holder file is written
@@ -971,7 +1018,9 @@ def run_all(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         for cls in TOOLS
     }
     step(f"idle, {args.idle_s:g} s with one sleeping child")
-    res["idle"] = {cls.name: measure_idle(cls, args.idle_s, tmp) for cls in TOOLS}
+    res["idle"] = {cls.name: measure_idle(cls, args.idle_s, args.cli_runs, tmp) for cls in TOOLS}
+    res["cli_floor_s"] = time_command([PY, "-c", "pass"], dict(os.environ), args.cli_runs)
+    res["idle_unconfigured_rss_mib"] = measure_idle_unconfigured(args.idle_s, tmp)
     res["versions"] = {cls.name: tool_version(cls) for cls in TOOLS}
     step("gpuwarden only: ready line, GPU freed, /status under a flood, swaps")
     res["ready_s"] = core.bench_ready(args.rounds // 3, tmp)
@@ -1108,6 +1157,12 @@ def render(res: dict[str, Any]) -> str:
         "",
         {n: f"{max(0.0, idle[n]['cpu_pct']):.2f} %" for n in ["gpuwarden", *PEER_NAMES]},
     )
+    stat_row(
+        f"CLI start: `gpuwarden status`, `supervisorctl status`, `pm2 status` against the idle "
+        f"tool, start to exit (median of {p['cli_runs']}; floor: `python -c pass`)",
+        {"floor": res["cli_floor_s"], **{n: idle[n]["cli_status_s"] for n in idle}},
+        fmt_ms,
+    )
 
     head = (
         "| measure | floor | gpuwarden | supervisord | PM2 | gpuwarden ÷ supervisord "
@@ -1126,6 +1181,8 @@ def render(res: dict[str, Any]) -> str:
         f"| {fmt_ms(st['p50_s'])} | {fmt_ms(st['p99_s'])} |\n"
         f"| swap overhead beyond the old server's stop and the new one's start "
         f"| {fmt_ms(sw['overhead_p50_s'])} | {fmt_ms(sw['overhead_max_s'])} |\n"
+        f"| idle RSS with nothing to supervise (no default config, fake 8-GPU host) "
+        f"| {res['idle_unconfigured_rss_mib']:.1f} MiB | |\n"
     )
     header = (
         f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB, Linux "
@@ -1160,6 +1217,9 @@ How each tool was set up (`bench/peers.py` writes the files):
 - **idle row**: the child prints SGLang's ready line and sleeps, so gpuwarden holds it `ready`
   and probes it no more than the config's liveness interval (an hour here, as the peers probe
   nothing; a real config probes `/health` every 5 s).
+- **CLI start**: each tool's own command line asking the running tool (the idle row's) for its
+  status, timed from exec to exit: `gpuwarden status --url`, `supervisorctl -s unix://...
+  status`, `pm2 status`. The floor is the interpreter that two of the three start.
 - **grandchildren**: supervisord signals only the child by default (`stopasgroup=false`); PM2
   kills the tree it finds under the child (`treekill`), which a setsid'd, double-forked
   grandchild has left; gpuwarden signals the group, and as the children's subreaper adopts and
@@ -1192,6 +1252,7 @@ def main() -> int:
     ap.add_argument("--idle-s", type=float, default=10.0)
     ap.add_argument("--status-s", type=float, default=2.0)
     ap.add_argument("--swaps", type=int, default=10)
+    ap.add_argument("--cli-runs", type=int, default=21, help="runs of each tool's status CLI")
     ap.add_argument("--quick", action="store_true", help="small numbers: a smoke run")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "peers")
     ap.add_argument("--readme", type=Path, default=None, help="write the table into this file")
@@ -1200,6 +1261,7 @@ def main() -> int:
         args.rounds, args.lines, args.reps, args.defaults_s = 6, 50_000, 1, 5.0
         args.loss_runs = 1
         args.idle_s, args.status_s, args.swaps = 1.0, 0.5, 2
+        args.cli_runs = 3
     for path, how in ((SUPERVISORD, "pip install supervisor"), (PM2_BIN, "npm install pm2")):
         if not path.exists():
             print(f"{path} is missing ({how} into {PEERS}; `make bench` does it)", file=sys.stderr)

@@ -1,9 +1,7 @@
 """Named server configs: ``configs/NAME.yaml``, with ``extends:`` and argv built without a shell.
 
-``args`` become flags: ``key: value`` → ``--key value``; ``true`` → ``--key``; ``false``/``null``
-→ omitted; ``0`` and ``""`` are values; a list → the flag once followed by every item; a mapping
-→ its JSON. ``extends`` merges mappings deeply and replaces lists. Every error names the file,
-the line and the reason.
+``extends`` merges mappings deeply and replaces lists. Every error names the file, the line and
+the reason. What a file may say, and how its ``args`` become flags: ``configschema.py``.
 """
 
 from __future__ import annotations
@@ -17,16 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
-from gpuwarden.daemon.redact import MASK, ArgvSecrets, argv_secrets, redact_env, secret_values
-from gpuwarden.daemon.safefile import YamlLimit, load_yaml, read_regular_text
+from .configschema import ServerConfig, build_argv
+from .redact import MASK, ArgvSecrets, argv_secrets, redact_env, secret_values
+from .safefile import YamlLimit, load_yaml, read_regular_text
 
 # A config is a few hundred lines; anything near this is a mistake or an attack.
 CONFIG_MAX_BYTES = 1024 * 1024
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-DEFAULT_COMMAND = ["python", "-m", "sglang.launch_server"]
 SGLANG_DEFAULT_PORT = 30000
 
 
@@ -42,89 +40,6 @@ class ConfigError(Exception):
 class ConfigNotFound(ConfigError):
     def __init__(self, message: str) -> None:
         super().__init__(message, status=404)
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class HealthConfig(_Strict):
-    url: str | None = None
-    startup_timeout_s: float = Field(1800.0, gt=0)
-    interval_s: float = Field(5.0, gt=0)
-    timeout_s: float = Field(30.0, gt=0)
-    failures: int = Field(3, ge=1)
-    # Ready only once the health URL's listening socket is found among the launch's processes
-    # (when its host is this machine's). False for a server reached through another process
-    # that holds the port: docker-proxy, a local proxy or sidecar.
-    check_listener: bool = True
-
-
-class PreflightConfig(_Strict):
-    argv: bool = True
-
-
-Scalar = str | int | float | bool | None
-
-
-class ServerConfig(_Strict):
-    extends: str | None = None
-    command: list[str] = Field(default_factory=lambda: list(DEFAULT_COMMAND), min_length=1)
-    args: dict[str, Scalar | list[Scalar] | dict[str, Any]] = Field(default_factory=dict)
-    env: dict[str, str | None] = Field(default_factory=dict)  # None: unset in the server
-    gpus: list[int | str] | None = None
-    preflight: PreflightConfig = Field(default_factory=PreflightConfig)
-    health: HealthConfig = Field(default_factory=HealthConfig)  # type: ignore[arg-type]
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env_values_to_str(cls, value: Any) -> Any:
-        # `NAME: null` unsets NAME (also one inherited from the daemon, or set by the config
-        # this one extends); any other scalar is the string YAML spelled.
-        if isinstance(value, dict):
-            return {
-                k: (
-                    v
-                    if v is None or isinstance(v, str)
-                    else json.dumps(v)
-                    if isinstance(v, bool)
-                    else str(v)
-                )
-                for k, v in value.items()
-            }
-        return value
-
-    @field_validator("args")
-    @classmethod
-    def _check_arg_names(cls, value: dict[str, Any]) -> dict[str, Any]:
-        for key in value:
-            if not re.fullmatch(r"-{0,2}[A-Za-z0-9][A-Za-z0-9._-]*", key):
-                raise ValueError(f"{key!r} is not a flag name")
-        return value
-
-
-def _scalar(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
-def build_argv(command: list[str], args: dict[str, Any]) -> list[str]:
-    argv = list(command)
-    for key, value in args.items():
-        flag = key if key.startswith("-") else f"--{key}"
-        if value is True:
-            argv.append(flag)
-        elif value is False or value is None:
-            continue
-        elif isinstance(value, list):
-            argv.append(flag)
-            argv.extend(_scalar(v) for v in value)
-        elif isinstance(value, dict):
-            argv += [flag, json.dumps(value, separators=(",", ":"))]
-        else:
-            argv += [flag, _scalar(value)]
-    return argv
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -1,15 +1,10 @@
 """Preflight: will this config's server accept its argv, and can it start here?
 
-Exact when possible: a small script run by the *server's* interpreter builds the server's own
-argparse parser (SGLang: ``ServerArgs.add_cli_args``; the stand-in: its ``add_cli_args``) and
-dumps its options (strings, nargs, type, choices). The config's argv is then parsed by an
-equivalent parser here, abbreviations and all, so ``--tp 2`` passes and
-``--speculative-eagle-top-k 4`` fails in milliseconds instead of after seconds of imports.
-Otherwise the options are rebuilt from the server's ``--help`` (types unknown: a warning says
-so). Results are cached per interpreter, package version and version-selecting flags. Only
-SGLang and the stand-in are ever run to learn their options: any other command (vLLM, a
-script) is not executed by preflight, since ``--help`` may mean anything to it; its argv is
-not checked and a warning says so.
+The server's own options (``serverparser.py``: from its interpreter, exactly, or from its
+``--help``) make an equivalent parser here, and the config's argv is parsed by it, abbreviations
+and all, so ``--tp 2`` passes and ``--speculative-eagle-top-k 4`` fails in milliseconds instead
+of after seconds of imports. A command that is neither SGLang nor the stand-in is not run: its
+argv is not checked and a warning says so.
 
 Also checked: local model and draft paths exist; the port is free or held by the server being
 replaced. Every problem is reported, in SGLang's wording where SGLang has one.
@@ -18,80 +13,16 @@ replaced. Every problem is reported, in SGLang's wording where SGLang has one.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import json
-import os
-import shutil
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuwarden.daemon.argspec import (
-    KIND_HELP,
-    OptionSpec,
-    add_specs,
-    parse_help,
-    split_command,
-)
-from gpuwarden.daemon.configs import ResolvedConfig
-from gpuwarden.daemon.redact import Redactor
-
-INTROSPECT_TIMEOUT_S = 120.0
-
-# Each known server: how its interpreter builds the parser. The script prints one JSON object.
-_DUMP_ACTIONS = r"""
-def _dump(parser, prog, version):
-    import argparse, json
-    out = []
-    for a in parser._actions:
-        if not a.option_strings:
-            continue
-        if isinstance(a, argparse._HelpAction):
-            kind = "help"
-        elif isinstance(a, getattr(argparse, "BooleanOptionalAction", ())):
-            kind = "boolean_optional"
-        elif a.nargs == 0:
-            kind = "store_true"
-        else:
-            kind = "store"
-        t = a.type
-        tname = {int: "int", float: "float", str: "str"}.get(t, None if t is None else "callable")
-        strings = [s for s in a.option_strings
-                   if not (kind == "boolean_optional" and s.startswith("--no-"))]
-        out.append({"strings": strings, "kind": kind, "nargs": a.nargs if kind == "store" else 0,
-                    "choices": None if a.choices is None else [str(c) for c in a.choices],
-                    "type": tname, "dest": a.dest, "required": bool(a.required)})
-    print(json.dumps({"prog": prog, "version": version, "options": out}))
-"""
-
-_SCRIPTS = {
-    "sglang.launch_server": _DUMP_ACTIONS
-    + r"""
-import argparse, importlib.metadata as md
-from sglang.srt.server_args import ServerArgs
-v = md.version("sglang")
-num = tuple(int(x) for x in v.split(".")[:3] if x.isdigit())
-prog = "sglang serve" if num >= (0, 5, 12) else "launch_server.py"
-p = argparse.ArgumentParser(prog=prog)
-ServerArgs.add_cli_args(p)
-_dump(p, prog, v)
-""",
-    "gpuwarden.standin": _DUMP_ACTIONS
-    + r"""
-import argparse, sys, importlib.metadata as md
-from gpuwarden.standin import cli
-from gpuwarden.standin.versions import PROFILES
-version = sys.argv[1]
-p = cli.build_parser(version)
-_dump(p, PROFILES[version].prog, md.version("gpuwarden") + "+sglang-" + version)
-""",
-}
-
-
-_PACKAGES = {"sglang.launch_server": "sglang", "gpuwarden.standin": "gpuwarden"}
+from .argspec import add_specs, split_command
+from .configs import ResolvedConfig
+from .redact import Redactor
+from .serverparser import ParserSpec, ServerParsers, known_server
 
 
 @dataclass
@@ -119,137 +50,11 @@ class _ParseError(Exception):
     pass
 
 
-def _version_flags(args: Sequence[str]) -> tuple[str, ...]:
-    """Flags that select the parser itself (the stand-in's --standin-version)."""
-    out: list[str] = []
-    for i, a in enumerate(args):
-        if a == "--standin-version" and i + 1 < len(args):
-            out.append(args[i + 1])
-        elif a.startswith("--standin-version="):
-            out.append(a.split("=", 1)[1])
-    return tuple(out)
-
-
-@dataclass
-class ParserSpec:
-    prog: str
-    version: str
-    options: list[OptionSpec]
-    exact: bool
-
-
 class Preflight:
-    """Builds (and caches) server parsers, and checks configs against them."""
+    """Checks configs against their servers' parsers (built once, then cached)."""
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[Any, ...], ParserSpec] = {}
-
-    async def _run(
-        self, argv: list[str], timeout_s: float, env: dict[str, str]
-    ) -> tuple[int, str, str]:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-        )
-        from gpuwarden.daemon.child import owned  # noqa: PLC0415
-
-        with owned(proc.pid):
-            try:
-                out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-            except TimeoutError:
-                await self._kill(proc)
-                return -1, "", f"no answer within {timeout_s:g} s"
-            except BaseException:  # cancelled (a stop, the daemon's shutdown): leave nothing
-                await asyncio.shield(self._kill(proc))
-                raise
-        return proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")
-
-    @staticmethod
-    async def _kill(proc: asyncio.subprocess.Process) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 9)
-        await proc.wait()
-
-    async def parser_for(self, cfg: ResolvedConfig) -> tuple[ParserSpec | None, list[str]]:
-        """The server's options, and warnings about how they were obtained."""
-        cli = split_command(cfg.argv)
-        env = cfg.process_env(os.environ)
-        warnings: list[str] = []
-        interpreter = cli.interpreter
-        if interpreter is None and cli.module == "sglang.launch_server":
-            # `sglang serve`: the console script's own Python builds the same parser.
-            interpreter = script_interpreter(cli.program[0], env.get("PATH"))
-        if cli.module in _SCRIPTS and interpreter is not None:
-            interp = shutil.which(interpreter) or interpreter
-            vflags = _version_flags(cli.args)
-            try:
-                stamp = Path(interp).resolve().stat().st_mtime_ns  # noqa: ASYNC240 - one stat
-            except OSError:
-                stamp = 0
-            # The package version is part of the key: ask the interpreter (cheap), then cache.
-            probe = f"import importlib.metadata as m; print(m.version({_PACKAGES[cli.module]!r}))"
-            code, ver, _ = await self._run([interp, "-c", probe], 30, env)
-            key: tuple[Any, ...] = (interp, stamp, cli.module, ver.strip(), vflags)
-            if code == 0 and key in self._cache:
-                return self._cache[key], warnings
-            version_arg = list(vflags[-1:])
-            if cli.module == "gpuwarden.standin" and not version_arg:
-                version_arg = ["0.5.23"]
-            code, out, err = await self._run(
-                [interp, "-c", _SCRIPTS[cli.module], *version_arg], INTROSPECT_TIMEOUT_S, env
-            )
-            if code == 0:
-                try:
-                    data = json.loads(out.strip().splitlines()[-1])
-                    spec = ParserSpec(
-                        prog=data["prog"],
-                        version=data["version"],
-                        options=[OptionSpec.from_json(o) for o in data["options"]],
-                        exact=True,
-                    )
-                    self._cache[key] = spec
-                    return spec, warnings
-                except (ValueError, KeyError, IndexError) as exc:
-                    warnings.append(
-                        f"could not read the server's parser dump ({exc}); using --help"
-                    )
-            else:
-                last = (err.strip().splitlines() or ["(no output)"])[-1]
-                warnings.append(
-                    f"{interp} cannot build {cli.module}'s parser ({last}); using --help"
-                )
-        if cli.module not in _SCRIPTS:
-            program = " ".join(Path(a).name if i == 0 else a for i, a in enumerate(cli.program))
-            return None, [
-                f"`{program}` is neither SGLang nor the stand-in: preflight does not run it, "
-                "so its argv was not checked"
-            ]
-        # Rebuild from the server's --help.
-        key = ("help", *cli.program, _version_flags(cli.args))
-        if key in self._cache:
-            spec = self._cache[key]
-            return spec, [*warnings, "options rebuilt from --help: value types are not checked"]
-        code, out, err = await self._run(
-            [*cli.program, *_help_extra(cli.args), "--help"], INTROSPECT_TIMEOUT_S, env
-        )
-        options = [o for o in parse_help(out) if o.kind != KIND_HELP]
-        if code != 0 or not options:
-            program = " ".join(cli.program)
-            why = (err.strip().splitlines() or [f"exit {code}"])[-1]
-            return None, [
-                *warnings,
-                f"`{program} --help` gave no options ({why}); the argv was not checked",
-            ]
-        prog = cli.program[-1]
-        if "usage: " in out:
-            prog = out.split("usage: ", 1)[1].split(" [", 1)[0].strip()
-        spec = ParserSpec(prog=prog, version="", options=options, exact=False)
-        self._cache[key] = spec
-        return spec, [*warnings, "options rebuilt from --help: value types are not checked"]
+        self.parsers = ServerParsers()
 
     async def check(
         self, cfg: ResolvedConfig, replacing_port: int | None = None
@@ -257,8 +62,8 @@ class Preflight:
         result = PreflightResult(ok=True)
         # The default port (30000) is SGLang's: another program listens where its own flags say,
         # so the port is checked only when the config names one or the program is SGLang's.
-        knows_port = (
-            cfg.config.args.get("port") is not None or split_command(cfg.argv).module in _SCRIPTS
+        knows_port = cfg.config.args.get("port") is not None or known_server(
+            split_command(cfg.argv).module
         )
         if cfg.config.preflight.argv:
             cli = split_command(cfg.argv)
@@ -267,7 +72,7 @@ class Preflight:
                 result.method = "skipped"
                 result.warnings.append(unchecked)
             else:
-                spec, warnings = await self.parser_for(cfg)
+                spec, warnings = await self.parsers.parser_for(cfg)
                 result.warnings += warnings
                 if spec is not None:
                     result.method = "parser" if spec.exact else "help"
@@ -286,22 +91,6 @@ class Preflight:
         result.warnings = [scrub(w) for w in result.warnings]
         result.ok = not result.problems
         return result
-
-
-def script_interpreter(program: str, path: str | None) -> str | None:
-    """The Python of a console script (`#!/venv/bin/python3.11`), or None."""
-    found = shutil.which(program, path=path) or program
-    try:
-        with open(found, "rb") as f:
-            first = f.readline(512)
-    except OSError:
-        return None
-    if not first.startswith(b"#!"):
-        return None
-    words = first[2:].decode(errors="replace").split()
-    if words and Path(words[0]).name == "env" and len(words) > 1:
-        words = words[1:]  # #!/usr/bin/env python3
-    return words[0] if words and Path(words[0]).name.startswith("python") else None
 
 
 def serve_args(program: Sequence[str], args: Sequence[str]) -> tuple[list[str], str | None]:
@@ -345,11 +134,6 @@ def config_file_warnings(args: Sequence[str]) -> list[str]:
                 "they were not checked"
             ]
     return []
-
-
-def _help_extra(args: Sequence[str]) -> list[str]:
-    flags = _version_flags(args)
-    return ["--standin-version", flags[-1]] if flags else []
 
 
 def check_argv(spec: ParserSpec, args: list[str]) -> list[str]:

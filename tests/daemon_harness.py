@@ -165,7 +165,7 @@ def start_daemon(
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
-    proc = Proc([PY, "-m", "gpuwarden.daemon.cli", "serve", "--settings", str(path)], env=full_env)
+    proc = Proc([PY, "-m", "gpuwarden.api.cli", "serve", "--settings", str(path)], env=full_env)
     procs.append(proc)
     return Daemon(proc, root)
 

@@ -107,7 +107,7 @@ def test_swap_whose_config_crashes_during_load_rolls_back_at_once(  # type: igno
     assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200
     assert not [r for r in d.records() if r.get("to") == "backoff"]
     cli = subprocess.run(
-        [PY, "-m", "gpuwarden.daemon.cli", "restart", "oom", "--wait", "--url", d.url],
+        [PY, "-m", "gpuwarden.api.cli", "restart", "oom", "--wait", "--url", d.url],
         capture_output=True,
         text=True,
         timeout=60,
@@ -258,7 +258,7 @@ def test_each_cli_command_against_a_live_daemon(procs, tmp_path: Path, fake_gpu:
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [PY, "-m", "gpuwarden.daemon.cli", *args, "--url", d.url],
+            [PY, "-m", "gpuwarden.api.cli", *args, "--url", d.url],
             capture_output=True,
             text=True,
             timeout=60,
@@ -281,7 +281,7 @@ def test_each_cli_command_against_a_live_daemon(procs, tmp_path: Path, fake_gpu:
     res = cli("start")
     assert res.returncode == 1 and "conflict" in res.stderr
     res = subprocess.run(
-        [PY, "-m", "gpuwarden.daemon.cli", "status", "--url", "http://127.0.0.1:9"],
+        [PY, "-m", "gpuwarden.api.cli", "status", "--url", "http://127.0.0.1:9"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -294,7 +294,7 @@ def test_each_cli_command_against_a_live_daemon(procs, tmp_path: Path, fake_gpu:
             [
                 PY,
                 "-m",
-                "gpuwarden.daemon.cli",
+                "gpuwarden.api.cli",
                 "check",
                 "good",
                 "--offline",
@@ -308,7 +308,7 @@ def test_each_cli_command_against_a_live_daemon(procs, tmp_path: Path, fake_gpu:
         )
 
     res = subprocess.run(
-        [PY, "-m", "gpuwarden.daemon.cli", "restart", "--bogus"],
+        [PY, "-m", "gpuwarden.api.cli", "restart", "--bogus"],
         capture_output=True,
         text=True,
         timeout=30,

@@ -18,7 +18,7 @@ def _env() -> dict[str, str]:
 
 def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [PY, "-m", "gpuwarden.daemon.cli", *map(str, args)],
+        [PY, "-m", "gpuwarden.api.cli", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -47,7 +47,7 @@ def cli_into_closed_pipe(*args: str | Path) -> subprocess.CompletedProcess[str]:
     os.close(read_end)
     try:
         return subprocess.run(
-            [PY, "-m", "gpuwarden.daemon.cli", *map(str, args)],
+            [PY, "-m", "gpuwarden.api.cli", *map(str, args)],
             stdout=write_end,
             stderr=subprocess.PIPE,
             text=True,
@@ -116,3 +116,33 @@ def test_a_reader_that_stops_reading_ends_every_printing_command_quietly(
         res = cli_into_closed_pipe(*argv)
         assert (res.returncode, res.stderr) == (0, ""), argv
     assert cli("--url", d.url, "--token-file", token, "configs").returncode == 0
+
+
+# The modules of the control plane and the supervisor: `gpuwarden status --url` needs none of
+# them, and importing them took most of a second before the command could send its request.
+SERVER_SIDE = ("fastapi", "uvicorn", "starlette", "pydantic", "pydantic_settings", "httpx")
+
+STATUS_THEN_MODULES = """
+import json, sys
+from gpuwarden.api import cli
+rc = cli.main(["status", "--url", sys.argv[1]])
+print(json.dumps({"rc": rc, "modules": sorted(sys.modules)}))
+"""
+
+
+def test_status_imports_neither_the_control_plane_nor_the_daemon_core() -> None:
+    res = subprocess.run(
+        [PY, "-c", STATUS_THEN_MODULES, f"http://127.0.0.1:{free_port()}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=_env(),
+    )
+    assert "cannot reach the daemon" in res.stderr, res.stderr
+    out = json.loads(res.stdout)
+    assert out["rc"] == 1
+    loaded = [m for m in out["modules"] if m.split(".")[0] in SERVER_SIDE]
+    assert loaded == [], loaded
+    daemon = [m for m in out["modules"] if m.startswith("gpuwarden.daemon")]
+    assert daemon == [], daemon

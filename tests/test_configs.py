@@ -11,7 +11,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwarden.daemon.configs import ConfigError, ConfigNotFound, ConfigStore, build_argv
+from gpuwarden.daemon.configs import ConfigError, ConfigNotFound, ConfigStore
+from gpuwarden.daemon.configschema import build_argv
 from gpuwarden.daemon.settings import SettingsError, load_settings
 
 

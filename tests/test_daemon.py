@@ -173,7 +173,7 @@ def test_busy_port_for_the_daemon_exits_1_naming_it(procs, tmp_path: Path, fake_
             [
                 PY,
                 "-m",
-                "gpuwarden.daemon.cli",
+                "gpuwarden.api.cli",
                 "serve",
                 "--settings",
                 str(path),

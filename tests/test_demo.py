@@ -21,7 +21,7 @@ def test_demo_honours_gpuwarden_listen_prints_the_bound_address_and_a_free_serve
     env = {**os.environ, "GPUWARDEN_LISTEN": "127.0.0.1:0", "PYTHONUNBUFFERED": "1"}
     env.pop(fakegpu.ENV_DIR, None)  # the demo makes its own
     root = tmp_path / "demo"
-    proc = Proc([PY, "-m", "gpuwarden.daemon.cli", "demo", "--dir", str(root)], env=env)
+    proc = Proc([PY, "-m", "gpuwarden.api.cli", "demo", "--dir", str(root)], env=env)
     procs.append(proc)
     d = Daemon(proc, root)  # the api.listening record: the address really bound
     printed = proc.wait_for(r"the daemon listens on (http://\S+);", timeout=30).group(1)

@@ -149,7 +149,7 @@ def test_sd_notify_ready_status_watchdog_stopping(procs, tmp_path: Path, fake_gp
         "WATCHDOG_USEC": "200000",
         "GPUWARDEN_FAKE_GPU_DIR": str(fake_gpu),
     }
-    proc = Proc([PY, "-m", "gpuwarden.daemon.cli", "serve", "--settings", str(settings)], env=env)
+    proc = Proc([PY, "-m", "gpuwarden.api.cli", "serve", "--settings", str(settings)], env=env)
     procs.append(proc)
     got: list[str] = []
 

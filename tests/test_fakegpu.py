@@ -28,7 +28,7 @@ def start_holder(procs: list[Proc], root: Path, gpu: int, mib: int) -> Proc:
         [
             PY,
             "-m",
-            "gpuwarden.daemon.cli",
+            "gpuwarden.api.cli",
             "fake-gpu",
             "hold",
             "--gpu",
@@ -117,7 +117,7 @@ def test_hold_cli_rejects_a_gpu_the_host_lacks(fake_gpu: Path) -> None:
         [
             PY,
             "-m",
-            "gpuwarden.daemon.cli",
+            "gpuwarden.api.cli",
             "fake-gpu",
             "hold",
             "--gpu",

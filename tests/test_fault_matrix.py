@@ -313,7 +313,7 @@ def test_disk_full_leaves_supervision_running(procs, tmp_path: Path, fake_gpu: P
     import os  # noqa: PLC0415
 
     env = {**os.environ, "GPUWARDEN_FAKE_GPU_DIR": str(fake_gpu), "PYTHONUNBUFFERED": "1"}
-    proc = Proc([PY, "-m", "gpuwarden.daemon.cli", "serve", "--settings", str(path)], env=env)
+    proc = Proc([PY, "-m", "gpuwarden.api.cli", "serve", "--settings", str(path)], env=env)
     procs.append(proc)
     resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (limit, limit))  # the daemon's "disk"
     d = Daemon(proc, tmp_path)

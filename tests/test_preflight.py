@@ -14,6 +14,7 @@ import yaml
 
 from gpuwarden.daemon.configs import SGLANG_DEFAULT_PORT, ConfigStore
 from gpuwarden.daemon.preflight import Preflight, check_port
+from gpuwarden.daemon.serverparser import ServerParsers
 
 from .conftest import alive, wait_until
 from .daemon_harness import start_daemon
@@ -25,7 +26,7 @@ async def test_a_cancelled_introspection_leaves_no_process(tmp_path: Path) -> No
     fifo = tmp_path / "pid"
     os.mkfifo(fifo)
     code = f"import os, time; open({str(fifo)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
-    task = asyncio.create_task(Preflight()._run([PY, "-c", code], 60, dict(os.environ)))
+    task = asyncio.create_task(ServerParsers()._run([PY, "-c", code], 60, dict(os.environ)))
     pid = int(await asyncio.wait_for(asyncio.to_thread(fifo.read_text), 30))
     assert alive(pid)
     task.cancel()
@@ -79,11 +80,8 @@ async def test_a_program_it_does_not_know_is_not_held_to_sglangs_default_port(
 
 
 def test_sglang_serve_forms_are_read_as_sglang_reads_them(tmp_path: Path) -> None:
-    from gpuwarden.daemon.preflight import (  # noqa: PLC0415
-        config_file_warnings,
-        script_interpreter,
-        serve_args,
-    )
+    from gpuwarden.daemon.preflight import config_file_warnings, serve_args  # noqa: PLC0415
+    from gpuwarden.daemon.serverparser import script_interpreter  # noqa: PLC0415
 
     serve = ["sglang", "serve"]
     assert serve_args(serve, ["org/model", "--tp", "2"]) == (

@@ -101,7 +101,7 @@ def test_cli_sweep_and_cancel_restores(procs, tmp_path: Path, fake_gpu: Path) ->
         [
             PY,
             "-m",
-            "gpuwarden.daemon.cli",
+            "gpuwarden.api.cli",
             "sweep",
             "eagle3_cg_5",
             "baseline",

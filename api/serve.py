@@ -15,14 +15,10 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Generator
-from pathlib import Path
 
 import structlog
 import uvicorn
 
-from gpuwarden.api.app import create_app
-from gpuwarden.api.connections import guarded_h11
-from gpuwarden.api.guard import is_loopback
 from gpuwarden.daemon import child as childmod
 from gpuwarden.daemon import logsetup
 from gpuwarden.daemon.gpu import make_backend
@@ -31,6 +27,10 @@ from gpuwarden.daemon.settings import Settings, SettingsError, load_settings
 from gpuwarden.daemon.supervisor import Supervisor
 from gpuwarden.daemon.systemd import Notifier
 from gpuwarden.standin import fakegpu
+
+from .app import create_app
+from .connections import guarded_h11
+from .guard import is_loopback
 
 log = structlog.get_logger("gpuwarden")
 
@@ -57,14 +57,6 @@ class _Server(uvicorn.Server):
     def exit(self) -> None:
         self.should_exit = True
         self._exit.set()
-
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="run the daemon in the foreground")
-    # SUPPRESS: `gpuwarden --settings FILE serve` keeps the main parser's value.
-    p.add_argument("--settings", type=Path, default=argparse.SUPPRESS, help="settings YAML")
-    p.add_argument("--listen", default=None, help="control plane HOST:PORT (overrides settings)")
-    p.set_defaults(func=run)
 
 
 def use_pidfd_watcher(loop: asyncio.AbstractEventLoop) -> None:

@@ -1,4 +1,5 @@
-"""The CLI commands that talk to a running daemon over HTTP.
+"""The CLI commands that talk to a running daemon over HTTP (which daemon, and the request
+itself: ``target.py``).
 
 Readable tables by default, ``--json`` for scripts. Exit codes: 0 ok, 1 failed (a one-line
 reason on stderr; a ``restart --wait`` that ended in a rollback is a failure), 2 usage.
@@ -7,57 +8,13 @@ reason on stderr; a ``restart --wait`` that ended in a rollback is a failure), 2
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-import httpx
-
-DEFAULT_URL = "http://127.0.0.1:8600"
-
-
-class ClientError(Exception):
-    pass
-
-
-def global_flags(on_subcommand: bool) -> argparse.ArgumentParser:
-    """--url, --token-file, --settings and --json, accepted before or after the subcommand.
-
-    The main parser holds the defaults; each subcommand repeats the flags with SUPPRESS as
-    default, so a flag given before the subcommand is not reset by the subcommand's parser,
-    and one given after it wins."""
-
-    def default(value: Any) -> Any:
-        return argparse.SUPPRESS if on_subcommand else value
-
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument(
-        "--url",
-        default=default(None),
-        help=f"the daemon (default $GPUWARDEN_URL, else the --settings listen address, "
-        f"else {DEFAULT_URL})",
-    )
-    p.add_argument(
-        "--token-file",
-        type=Path,
-        default=default(None),
-        help="bearer token file (default $GPUWARDEN_TOKEN, else the --settings token_file)",
-    )
-    p.add_argument(
-        "--settings",
-        type=Path,
-        default=default(None),
-        help="settings YAML: the daemon's (serve), the configs (check --offline), the "
-        "daemon's address and token (the other commands)",
-    )
-    p.add_argument(
-        "--json", action="store_true", default=default(False), help="print JSON for scripts"
-    )
-    return p
+from .target import ClientError, call, connect, global_flags, resolve_target
+from .transport import ConnectFailed, InvalidUrl, TransportError
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -117,71 +74,6 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.set_defaults(func=cmd_dump)
 
 
-def _settings(args: argparse.Namespace) -> Any:
-    from gpuwarden.daemon.settings import SettingsError, load_settings  # noqa: PLC0415
-
-    try:
-        return load_settings(args.settings)
-    except SettingsError as exc:
-        raise ClientError(str(exc)) from exc
-
-
-def resolve_target(args: argparse.Namespace) -> None:
-    """Fill in args.url and args.token_file: the flags, else the environment, else the
-    daemon's own settings (--settings), else the defaults."""
-    settings = None
-    if args.url is None:
-        args.url = os.environ.get("GPUWARDEN_URL")
-    if args.url is None and args.settings is not None:
-        settings = _settings(args)
-        host, port = settings.listen_host_port
-        host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
-        args.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    if args.url is None:
-        args.url = DEFAULT_URL
-    if args.token_file is None and "GPUWARDEN_TOKEN" not in os.environ and args.settings:
-        settings = settings or _settings(args)
-        args.token_file = settings.token_file
-
-
-def _client(args: argparse.Namespace, timeout: float | None = 30.0) -> httpx.Client:
-    token = os.environ.get("GPUWARDEN_TOKEN")
-    if args.token_file is not None:
-        try:
-            token = args.token_file.read_text().strip()
-        except OSError as exc:
-            raise ClientError(f"{args.token_file}: {exc.strerror}") from exc
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.Client(base_url=args.url, headers=headers, timeout=timeout, trust_env=False)
-
-
-def _call(
-    args: argparse.Namespace,
-    method: str,
-    path: str,
-    *,
-    ok: tuple[int, ...] = (200, 202),
-    timeout: float | None = 30.0,
-    **kw: Any,
-) -> httpx.Response:
-    try:
-        with _client(args, timeout) as c:
-            res = c.request(method, path, **kw)
-    except httpx.ConnectError as exc:
-        raise ClientError(f"cannot reach the daemon at {args.url}: {exc}") from exc
-    except httpx.HTTPError as exc:
-        raise ClientError(f"{method} {path}: {exc}") from exc
-    if res.status_code not in ok:
-        try:
-            body = res.json()
-            detail = body.get("detail")
-            reason = f"{body.get('error', res.status_code)}: {detail}"
-        except ValueError:
-            reason = f"{res.status_code} {res.text[:200]}"
-        raise ClientError(reason)
-    return res
-
-
 def _print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str))
 
@@ -204,7 +96,7 @@ def _table(rows: Sequence[tuple[str, ...]], headers: tuple[str, ...]) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    st = _call(args, "GET", "/status").json()
+    st = call(args, "GET", "/status").json()
     if args.json:
         _print_json(st)
         return 0
@@ -242,7 +134,7 @@ def cmd_restart(args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"wait": "true" if args.wait else "false"}
     if args.config:
         params["config"] = args.config
-    res = _call(args, "POST", "/restart", params=params, timeout=None if args.wait else 30.0)
+    res = call(args, "POST", "/restart", params=params, timeout=None if args.wait else 30.0)
     data = res.json()
     if args.json:
         _print_json(data)
@@ -260,13 +152,13 @@ def cmd_restart(args: argparse.Namespace) -> int:
 
 def cmd_start(args: argparse.Namespace) -> int:
     params = {"config": args.config} if args.config else {}
-    data = _call(args, "POST", "/start", params=params).json()
+    data = call(args, "POST", "/start", params=params).json()
     _print_json(data) if args.json else print(f"starting {data.get('config')} ({data['state']})")
     return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    data = _call(args, "POST", "/stop").json()
+    data = call(args, "POST", "/stop").json()
     _print_json(data) if args.json else print(f"stopping ({data['state']})")
     return 0
 
@@ -277,7 +169,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"lines": args.lines}
     if args.launch:
         params["launch"] = args.launch
-    data = _call(args, "GET", "/logs", params=params).json()
+    data = call(args, "GET", "/logs", params=params).json()
     if args.json:
         _print_json(data)
         return 0
@@ -290,10 +182,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def _follow(args: argparse.Namespace) -> int:
     try:
-        with (
-            _client(args, timeout=None) as c,
-            c.stream("GET", "/logs/stream", params={"history": args.lines}) as res,
-        ):
+        with connect(args, timeout=None).stream(
+            "GET", "/logs/stream", params={"history": args.lines}
+        ) as res:
             if res.status_code != 200:
                 raise ClientError(f"/logs/stream: {res.status_code}")
             event = "line"
@@ -303,9 +194,11 @@ def _follow(args: argparse.Namespace) -> int:
                 elif raw.startswith("data: "):
                     text = raw[6:]
                     print(text if event == "line" else f"({text})", flush=True)
-    except httpx.ConnectError as exc:
+    except ConnectFailed as exc:
         raise ClientError(f"cannot reach the daemon at {args.url}: {exc}") from exc
-    except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+    except InvalidUrl as exc:
+        raise ClientError(f"GET /logs/stream: {exc}") from exc
+    except TransportError as exc:
         # The daemon ends a stream whose reader took nothing for log_stream.send_timeout_s,
         # and every stream when it stops.
         raise ClientError(f"the daemon ended the log stream: {exc}") from exc
@@ -315,7 +208,7 @@ def _follow(args: argparse.Namespace) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    data = _call(args, "GET", "/events", params={"limit": args.limit}).json()
+    data = call(args, "GET", "/events", params={"limit": args.limit}).json()
     if args.json:
         _print_json(data)
         return 0
@@ -333,7 +226,7 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_configs(args: argparse.Namespace) -> int:
-    data = _call(args, "GET", "/configs").json()
+    data = call(args, "GET", "/configs").json()
     if args.json:
         _print_json(data)
         return 0
@@ -349,9 +242,11 @@ def cmd_configs(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     if args.offline:
+        import asyncio  # noqa: PLC0415 - only the offline check runs a loop
+
         data = asyncio.run(_check_offline(args))
     else:
-        data = _call(args, "POST", f"/configs/{args.config}/check", ok=(200, 422)).json()
+        data = call(args, "POST", f"/configs/{args.config}/check", ok=(200, 422)).json()
     if args.json:
         _print_json(data)
     else:
@@ -390,7 +285,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
     }
-    sweep = _call(args, "POST", "/sweeps", json=body).json()
+    sweep = call(args, "POST", "/sweeps", json=body).json()
     sid = sweep["id"]
     try:
         with Progress(
@@ -403,27 +298,27 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             task = bar.add_task(sid, total=sweep["total"])
             while sweep["state"] == "running":
                 time.sleep(0.5)
-                sweep = _call(args, "GET", f"/sweeps/{sid}").json()
+                sweep = call(args, "GET", f"/sweeps/{sid}").json()
                 bar.update(
                     task,
                     completed=sweep["done"],
                     description=f"{sid}: {sweep.get('current') or 'finishing'}",
                 )
     except KeyboardInterrupt:
-        sweep = _call(args, "DELETE", f"/sweeps/{sid}").json()
+        sweep = call(args, "DELETE", f"/sweeps/{sid}").json()
         print(f"cancelled {sid}; restoring {sweep.get('original')}", file=sys.stderr)
         return 1
     if args.json:
         _print_json(sweep)
     else:
-        print(_call(args, "GET", f"/sweeps/{sid}/table.md").text)
+        print(call(args, "GET", f"/sweeps/{sid}/table.md").text)
         print(f"files: {sweep['folder']}/table.md, table.csv, chart.png")
     return 0 if sweep["state"] == "done" else 1
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
     headers = {"Accept": "application/json"} if args.json else {}
-    res = _call(args, "GET", "/dump", headers=headers)
+    res = call(args, "GET", "/dump", headers=headers)
     print(res.text)
     return 0
 

@@ -22,19 +22,6 @@ import yaml
 from gpuwarden.standin import fakegpu
 
 DEMO_TIME_SCALE = 0.05  # the stand-in loads in about a second instead of twenty
-DEFAULT_LISTEN = "127.0.0.1:8600"
-
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("demo", help="run the daemon on the bundled SGLang stand-in")
-    p.add_argument(
-        "--listen",
-        default=os.environ.get("GPUWARDEN_LISTEN", DEFAULT_LISTEN),
-        help=f"control plane HOST:PORT (default $GPUWARDEN_LISTEN, else {DEFAULT_LISTEN}; "
-        "port 0 picks a free one)",
-    )
-    p.add_argument("--dir", type=Path, default=None, help="demo folder (default: a temp dir)")
-    p.set_defaults(func=run)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -128,8 +115,9 @@ def banner(root: Path, host: str, port: int, server_port: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from gpuwarden.daemon import logsetup  # noqa: PLC0415
-    from gpuwarden.daemon.serve import serve  # noqa: PLC0415
     from gpuwarden.daemon.settings import SettingsError, load_settings  # noqa: PLC0415
+
+    from .serve import serve  # noqa: PLC0415
 
     root = (args.dir or Path(tempfile.mkdtemp(prefix="gpuwarden-demo-"))).resolve()
     server_port = free_port()

@@ -1,0 +1,95 @@
+"""The ``gpuwarden`` command line.
+
+Starting it imports the client commands only: `serve` and `demo` bring the control plane and
+the supervisor (fastapi, uvicorn, pydantic), imported when one of them runs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import client, fakegpu_cli, target
+
+DEMO_DEFAULT_LISTEN = "127.0.0.1:8600"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .serve import run  # noqa: PLC0415 - the daemon, only when it runs
+
+    return run(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run  # noqa: PLC0415 - the daemon, only when it runs
+
+    return run(args)
+
+
+def add_serve_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    # SUPPRESS: `gpuwarden --settings FILE serve` keeps the main parser's value.
+    p.add_argument("--settings", type=Path, default=argparse.SUPPRESS, help="settings YAML")
+    p.add_argument("--listen", default=None, help="control plane HOST:PORT (overrides settings)")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("demo", help="run the daemon on the bundled SGLang stand-in")
+    p.add_argument(
+        "--listen",
+        default=os.environ.get("GPUWARDEN_LISTEN", DEMO_DEFAULT_LISTEN),
+        help=f"control plane HOST:PORT (default $GPUWARDEN_LISTEN, else {DEMO_DEFAULT_LISTEN}; "
+        "port 0 picks a free one)",
+    )
+    p.add_argument("--dir", type=Path, default=None, help="demo folder (default: a temp dir)")
+    p.set_defaults(func=_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpuwarden",
+        description="Supervise an SGLang inference server on a GPU host.",
+        parents=[target.global_flags(on_subcommand=False)],
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_serve_parsers(sub)
+    client.add_parsers(sub)
+    fakegpu_cli.add_parser(sub)
+    return parser
+
+
+# A reader that stopped reading (`gpuwarden dump | head`): the status of a process killed by
+# SIGPIPE, as cat, grep or git report it, so `set -o pipefail` scripts see what they would
+# see with those; the output was not all delivered, so it is not 0.
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.func.__module__ == client.__name__:
+            return client.run(args)
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _run(argv)
+        finally:
+            # Buffered output must meet a closed pipe here, not in the interpreter's exit.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's own advice: point stdout at /dev/null so that the flush at exit is quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
