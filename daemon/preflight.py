@@ -29,15 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuwarden.daemon.argspec import (
+from gpuwarden.daemon.configs import ResolvedConfig
+from gpuwarden.daemon.redact import Redactor
+from gpuwarden.standin.argspec import (
     KIND_HELP,
     OptionSpec,
     add_specs,
     parse_help,
     split_command,
 )
-from gpuwarden.daemon.configs import ResolvedConfig
-from gpuwarden.daemon.redact import Redactor
 
 INTROSPECT_TIMEOUT_S = 120.0
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from gpuwarden.daemon.argspec import (
+from gpuwarden.standin.argspec import (
     KIND_BOOL_PAIR,
     KIND_FLAG,
     KIND_STORE,

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuwarden.daemon.argspec import OptionSpec, add_specs
 from gpuwarden.daemon.configs import ConfigStore
 from gpuwarden.daemon.redact import (
     MASK,
@@ -19,6 +18,7 @@ from gpuwarden.daemon.redact import (
     secret_values,
     sglang_option_strings,
 )
+from gpuwarden.standin.argspec import OptionSpec, add_specs
 
 from .conftest import PY
 from .daemon_harness import standin_config, start_daemon

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwarden.daemon.argspec import option_strings, parse_help
+from gpuwarden.standin.argspec import option_strings, parse_help
 from gpuwarden.standin.versions import VERSIONS
 
 from .conftest import PY, Proc
