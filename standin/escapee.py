@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from gpuwarden.standin import fakegpu
-from gpuwarden.standin.procs import log_line, set_title
+from . import fakegpu
+from .procs import log_line, set_title
 
 
 def main(argv: list[str]) -> int:

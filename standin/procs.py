@@ -28,10 +28,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from gpuwarden.standin import fakegpu
-from gpuwarden.standin.faults import Faults
-from gpuwarden.standin.specmodel import DecodeModel, SpecParams
-from gpuwarden.standin.versions import PROFILES, Profile
+from . import fakegpu
+from .faults import Faults
+from .specmodel import DecodeModel, SpecParams
+from .versions import PROFILES, Profile
 
 PR_SET_PDEATHSIG = 1
 GIB = 1024.0

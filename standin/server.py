@@ -36,11 +36,11 @@ from typing import Any
 
 import psutil
 
-from gpuwarden.standin import cli, fakegpu
-from gpuwarden.standin.faults import faults_from_args
-from gpuwarden.standin.procs import ChildConfig, log_line, run_detokenizer, run_scheduler
-from gpuwarden.standin.specmodel import resolve_spec_params
-from gpuwarden.standin.versions import PROFILES, SPEC_ALGORITHMS_0_5_23, Profile
+from . import cli, fakegpu
+from .faults import faults_from_args
+from .procs import ChildConfig, log_line, run_detokenizer, run_scheduler
+from .specmodel import resolve_spec_params
+from .versions import PROFILES, SPEC_ALGORITHMS_0_5_23, Profile
 
 # Simulated durations in seconds at --standin-time-scale 1.0 (token pacing is never scaled).
 DURATIONS: dict[str, float] = {
