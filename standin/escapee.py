@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from . import fakegpu
-from .procs import log_line, set_title
+from .childinit import set_title
+from .logline import log_line
 
 
 def main(argv: list[str]) -> int:

@@ -37,8 +37,10 @@ from typing import Any
 import psutil
 
 from . import cli, fakegpu
+from .childconfig import ChildConfig
 from .faults import faults_from_args
-from .procs import ChildConfig, log_line, run_detokenizer, run_scheduler
+from .logline import log
+from .procs import run_detokenizer, run_scheduler
 from .specmodel import resolve_spec_params
 from .versions import PROFILES, SPEC_ALGORITHMS_0_5_23, Profile
 
@@ -116,10 +118,6 @@ def _env_float(name: str, default: float) -> float:
         return float(os.environ[name])
     except (KeyError, ValueError):
         return default
-
-
-def log(message: str) -> None:
-    log_line("", message)
 
 
 # --------------------------------------------------------------------------------------------
