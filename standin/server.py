@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import copy
 import json
-import logging
 import multiprocessing as mp
 import os
 import signal
@@ -27,8 +26,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from types import FrameType
@@ -36,36 +34,14 @@ from typing import Any
 
 import psutil
 
-from . import cli, fakegpu
+from . import cli
 from .childconfig import ChildConfig
-from .faults import faults_from_args
+from .durations import DURATIONS
+from .engine import EngineClient, ServerState, token_text
 from .logline import log
 from .procs import run_detokenizer, run_scheduler
-from .specmodel import resolve_spec_params
-from .versions import PROFILES, SPEC_ALGORITHMS_0_5_23, Profile
-
-# Simulated durations in seconds at --standin-time-scale 1.0 (token pacing is never scaled).
-DURATIONS: dict[str, float] = {
-    "import": 3.0,  # main: torch, triton, transformers ...
-    "child_import": 1.0,  # each spawned child re-imports sglang
-    "dist_init": 0.5,
-    "load_shard": 1.0,  # 4 shards
-    "kv_alloc": 0.3,
-    "capture_step": 0.25,  # 8 batch sizes
-    "draft_load": 1.0,
-    "warmup_sleep": 1.0,  # the warmup thread's sleep before its first poll
-    "drain_step": 5.0,  # sigterm_watchdog's period
-    "watchdog_grace": 5.0,  # the scheduler watchdog sleeps before SIGQUIT
-    "health_timeout": 20.0,  # SGLANG_HEALTH_CHECK_TIMEOUT
-    "scheduler_exit": 15.0,  # 0.5.23's _SCHEDULER_EXIT_TIMEOUT_SECS
-    "subprocess_watchdog": 1.0,  # 0.5.12+'s SubprocessWatchdog period
-    "crash_settle": 5.0,  # 0.5.23: "Sleeping 5 seconds before crash diagnostics"
-}
-
-WORDS = (
-    "the quick brown fox jumps over a lazy dog while seven tired engineers tune speculative "
-    "decoding on eight GPUs and count tokens per second until the drafter learns"
-).split()
+from .serverargs import resolve, server_args_repr
+from .versions import PROFILES, Profile
 
 UVICORN_LOG_CONFIG: dict[str, Any] = {}
 
@@ -118,135 +94,6 @@ def _env_float(name: str, default: float) -> float:
         return float(os.environ[name])
     except (KeyError, ValueError):
         return default
-
-
-# --------------------------------------------------------------------------------------------
-# Arguments
-# --------------------------------------------------------------------------------------------
-
-
-def server_args_repr(args: Any) -> str:
-    fields = {k: v for k, v in vars(args).items() if not k.startswith("standin_")}
-    return "ServerArgs(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
-
-
-def resolve(args: Any, profile: Profile) -> ChildConfig:
-    """Semantic validation after argparse: failures are tracebacks with exit 1, as in SGLang."""
-    getattr(logging, args.log_level.upper())  # a bad --log-level is an AttributeError
-    algorithm = args.speculative_algorithm
-    if (
-        profile.version == "0.5.23"
-        and algorithm is not None
-        and algorithm.upper() not in SPEC_ALGORITHMS_0_5_23
-    ):
-        raise ValueError(f"Unknown speculative algorithm name: {algorithm}")
-    warn: list[str] = []
-    spec = resolve_spec_params(
-        algorithm,
-        args.speculative_num_steps,
-        args.speculative_eagle_topk,
-        args.speculative_num_draft_tokens,
-        warn,
-    )
-    if spec is not None:
-        args.speculative_num_steps = spec.steps
-        args.speculative_eagle_topk = spec.topk
-        args.speculative_num_draft_tokens = spec.draft_tokens
-    for message in warn:
-        log(message)
-    max_running = getattr(args, "max_running_requests", None)
-    if max_running is None:
-        max_running = 48 if spec is not None else 1024
-    environ = os.environ
-    return ChildConfig(
-        version=profile.version,
-        tp_size=args.tp_size,
-        time_scale=args.standin_time_scale,
-        seed=args.standin_seed,
-        decode_log_interval=args.decode_log_interval,
-        spec=spec,
-        cuda_graph=not args.disable_cuda_graph,
-        mem_fraction_static=args.mem_fraction_static or 0.85,
-        max_running_requests=max_running,
-        context_length=getattr(args, "context_length", None) or 32768,
-        model_path=args.model_path,
-        draft_model_path=args.speculative_draft_model_path,
-        faults=faults_from_args(args),
-        fake_gpu_dir=environ.get(fakegpu.ENV_DIR),
-        cuda_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
-        durations=dict(DURATIONS),
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# The engine client (SGLang's TokenizerManager, reduced to what can be observed)
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ServerState:
-    status: str = "Starting"  # Starting | Up | UnHealthy
-    gracefully_exit: bool = False
-    first_request_seen: bool = False
-    last_heartbeat: float = field(default_factory=time.time)
-    stats: dict[str, Any] = field(default_factory=dict)
-
-
-class EngineClient:
-    def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop, state: ServerState):
-        self.conn = conn
-        self.loop = loop
-        self.state = state
-        self.streams: dict[str, asyncio.Queue[tuple[int, bool]]] = {}
-        self._send_lock = threading.Lock()
-        threading.Thread(target=self._reader, name="engine-reader", daemon=True).start()
-
-    def _reader(self) -> None:
-        while True:
-            try:
-                msg = self.conn.recv()
-            except (EOFError, OSError):
-                return  # the scheduler is gone; 0.5.5 is not told (SGLANG.md §2)
-            self.loop.call_soon_threadsafe(self._dispatch, msg)
-
-    def _dispatch(self, msg: tuple[Any, ...]) -> None:
-        if msg[0] == "out":
-            self.state.last_heartbeat = time.time()
-            for rid, n, finished in msg[1]:
-                queue = self.streams.get(rid)
-                if queue is not None:
-                    queue.put_nowait((n, finished))
-        elif msg[0] == "stats":
-            self.state.stats.update(msg[1])
-
-    def send(self, msg: tuple[Any, ...]) -> None:
-        with self._send_lock, contextlib.suppress(OSError):
-            self.conn.send(msg)
-
-    async def generate(self, prompt_tokens: int, max_new_tokens: int) -> AsyncGenerator[int, None]:
-        """Yields the number of new tokens of each step until the request finishes."""
-        rid = uuid.uuid4().hex
-        queue: asyncio.Queue[tuple[int, bool]] = asyncio.Queue()
-        self.streams[rid] = queue
-        finished = False
-        self.send(("gen", rid, max(1, prompt_tokens), max(1, max_new_tokens)))
-        try:
-            while not finished:
-                n, finished = await queue.get()
-                yield n
-        finally:
-            self.streams.pop(rid, None)
-            if not finished:
-                self.send(("abort", rid))
-
-
-def token_text(start: int, count: int) -> str:
-    return "".join(WORDS[(start + i) % len(WORDS)] + " " for i in range(count))
-
-
-# --------------------------------------------------------------------------------------------
-# The server
-# --------------------------------------------------------------------------------------------
 
 
 class StandinServer:

@@ -17,7 +17,7 @@ import pytest
 from gpuwarden.daemon.chat import mark, matches_trigger
 from gpuwarden.daemon.serverlog import parse_line
 from gpuwarden.standin import cli as standin_cli
-from gpuwarden.standin.server import server_args_repr
+from gpuwarden.standin.serverargs import server_args_repr
 
 from .daemon_harness import Daemon, standin_config, start_daemon
 
