@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .drain import on_first_request
 from .engine import token_text
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def generate_routes(server: StandinServer) -> list[Route]:
         body = await read_json(request)
         if isinstance(body, Response):
             return body
-        server.on_first_request()
+        on_first_request(server)
         assert server.engine is not None
         params = body.get("sampling_params") or {}
         max_new = int(params.get("max_new_tokens", 128))
@@ -100,7 +101,7 @@ def generate_routes(server: StandinServer) -> list[Route]:
                 },
                 status_code=400,
             )
-        server.on_first_request()
+        on_first_request(server)
         prompt_tokens = sum(
             len(str(m.get("content", "")).split()) + 4 for m in messages if isinstance(m, dict)
         )
@@ -111,7 +112,7 @@ def generate_routes(server: StandinServer) -> list[Route]:
         body = await read_json(request)
         if isinstance(body, Response):
             return body
-        server.on_first_request()
+        on_first_request(server)
         prompt_tokens = max(1, len(str(body.get("prompt", "")).split()))
         max_new = int(body.get("max_tokens") or 16)
         return await openai_response(body, prompt_tokens, max_new, chat=False)

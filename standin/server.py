@@ -10,6 +10,9 @@ Signals follow the chosen version: SIGTERM while loading kills at once (no handl
 uvicorn serves, uvicorn's handler; from the first generate request a drain handler that ends
 in ``kill_process_tree`` (-9, up to 0.5.12) or a clean exit 0 (0.5.23). SIGQUIT from a child is
 the crash channel: ``Received sigquit ...`` and -9.
+
+This module holds the main process's state (`StandinServer`), uvicorn's serving and `main`; the
+process tree, the signal handlers, the warm-up and the HTTP routes have modules of their own.
 """
 
 from __future__ import annotations
@@ -17,28 +20,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import multiprocessing as mp
+import functools
 import os
 import signal
 import sys
-import threading
 import time
 import warnings
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from types import FrameType
 from typing import Any
-
-import psutil
 
 from . import cli
 from .childconfig import ChildConfig
+from .crash import launch_sigquit_handler, running_sigquit_handler
 from .durations import DURATIONS
 from .engine import EngineClient, ServerState
 from .logline import log
-from .procs import run_detokenizer, run_scheduler
 from .serverargs import resolve, server_args_repr
+from .tree import (
+    kill_process_tree,
+    launch_children,
+    start_subprocess_watchdog,
+    wait_schedulers_ready,
+)
 from .versions import PROFILES, Profile
+from .warmup import warmup
 
 UVICORN_LOG_CONFIG: dict[str, Any] = {}
 
@@ -59,40 +65,6 @@ def _uvicorn_log_config() -> dict[str, Any]:
     return cfg
 
 
-def kill_process_tree(parent_pid: int, include_parent: bool = True) -> None:
-    """SGLang's kill_process_tree: SIGKILL the children; killing itself ends in -9."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    try:
-        itself = psutil.Process(parent_pid)
-    except psutil.NoSuchProcess:
-        return
-    for child in itself.children(recursive=True):
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-    if include_parent:
-        if parent_pid == os.getpid():
-            sys.stderr.flush()
-            itself.kill()
-            sys.exit(0)
-        with contextlib.suppress(psutil.NoSuchProcess):
-            itself.kill()
-            itself.send_signal(signal.SIGQUIT)
-
-
-def _env_bool(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    return value.strip().lower() in ("1", "true", "yes", "on")
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ[name])
-    except (KeyError, ValueError):
-        return default
-
-
 class StandinServer:
     def __init__(self, args: Any, profile: Profile, cfg: ChildConfig) -> None:
         self.args = args
@@ -111,237 +83,6 @@ class StandinServer:
 
     def seconds(self, name: str) -> float:
         return DURATIONS[name] * self.scale
-
-    # -- process tree --------------------------------------------------------------------------
-
-    def launch_children(self) -> None:
-        ctx = mp.get_context("spawn")
-        for rank in range(self.cfg.tp_size):
-            parent_conn, child_conn = ctx.Pipe()
-            proc = ctx.Process(
-                target=run_scheduler, args=(rank, self.cfg, child_conn), name=f"scheduler_{rank}"
-            )
-            proc.start()
-            child_conn.close()
-            self.children.append((f"scheduler_{rank}", proc, parent_conn))
-        parent_conn, child_conn = ctx.Pipe()
-        proc = ctx.Process(target=run_detokenizer, args=(self.cfg, child_conn), name="detokenizer")
-        proc.start()
-        child_conn.close()
-        self.children.append(("detokenizer", proc, parent_conn))
-
-    def wait_schedulers_ready(self) -> None:
-        for name, proc, conn in self.children:
-            if not name.startswith("scheduler_"):
-                continue
-            rank = int(name.split("_")[1])
-            try:
-                self.ready_infos.append(conn.recv())
-            except EOFError:
-                proc.join(timeout=5)
-                code = proc.exitcode
-                if self.profile.at_least_0_5_12:
-                    raise RuntimeError(
-                        f"Rank {rank} scheduler died during initialization (exit code: {code}). "
-                        "If exit code is -9 (SIGKILL), a common cause is the OS OOM killer. "
-                        "Run `dmesg -T | grep -i oom` to check."
-                    ) from None
-                log(f"Rank {rank} scheduler is dead. Please check if there are relevant logs.")
-                log(f"Exit code: {code}")
-                sys.exit(1)
-
-    def start_subprocess_watchdog(self) -> None:
-        """0.5.12+: notice a child that died without telling (a C++ abort)."""
-
-        def watch() -> None:
-            while True:
-                time.sleep(self.seconds("subprocess_watchdog"))
-                for name, proc, _ in self.children:
-                    if self.exiting or self.state.gracefully_exit:
-                        return
-                    if proc.exitcode is not None:
-                        log(
-                            f"Subprocess {name} (pid={proc.pid}) crashed with exit code "
-                            f"{proc.exitcode}. Triggering SIGQUIT for cleanup..."
-                        )
-                        os.kill(os.getpid(), signal.SIGQUIT)
-                        return
-
-        threading.Thread(target=watch, name="subprocess-watchdog", daemon=True).start()
-
-    # -- signals -------------------------------------------------------------------------------
-
-    @staticmethod
-    def launch_sigquit_handler(signum: int, frame: FrameType | None) -> None:
-        log("Received sigquit from a child process. It usually means the child failed.")
-        kill_process_tree(os.getpid())
-
-    def running_sigquit_handler(self, signum: int, frame: FrameType | None) -> None:
-        # SGLang's handler is called with no arguments: it prints None, None.
-        log("SIGQUIT received. signum=None, frame=None. It usually means one child failed.")
-        self.exiting = True  # the subprocess watchdog stops first
-        self.crash_diagnostics()
-        kill_process_tree(os.getpid())
-
-    def crash_diagnostics(self) -> None:
-        """0.5.23's dump_requests_before_crash: with its defaults the dead server lingers,
-        port open and requests hanging (this runs on the event loop's thread), 5 s, and 60 s
-        more while a scheduler is alive (a dead detokenizer) waiting for CUDA coredumps."""
-        if not self.profile.crash_diagnostics:
-            return
-        pyspy = _env_bool("SGLANG_PYSPY_DUMP_BEFORE_CRASH", True)
-        coredump = _env_bool("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", True)
-        if not (pyspy or coredump):
-            return
-        log("Sleeping 5 seconds before crash diagnostics to let GPU activity settle.")
-        settle = self.seconds("crash_settle")
-        # At least 1 s, even time-scaled: a scheduler that has just reported its exception is
-        # on its way out, and SGLang's 5 s always sees it gone.
-        deadline = time.monotonic() + max(settle, 1.0)
-        time.sleep(settle)
-        schedulers = [p for name, p, _ in self.children if name.startswith("scheduler")]
-        for proc in schedulers:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        live = [p for p in schedulers if p.is_alive()]
-        if not live:
-            log("No live scheduler processes found; skipping py-spy and CUDA coredump.")
-            return
-        if pyspy:
-            for proc in live:
-                for flag in ("--native", ""):
-                    cmd = f"py-spy dump {flag} --pid {proc.pid}"  # two spaces without a flag
-                    log(f"Pyspy failed ({cmd}). Error: /bin/sh: 1: py-spy: not found\n")
-                log(f"All pyspy dump attempts failed for PID {proc.pid}.")
-        if coredump:
-            log(
-                "CUDA user-triggered coredump is not enabled. Set "
-                "CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1 before CUDA initialization."
-            )
-            for proc in live:
-                log(
-                    f"CUDA coredump pipe not found for PID {proc.pid}: "
-                    f"/tmp/corepipe.cuda.vm.{proc.pid}. Ensure "
-                    "CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1 was set before this process "
-                    "initialized CUDA."
-                )
-            wait = _env_float("SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS", 60.0)
-            if wait > 0:
-                log(f"Waiting {wait:.1f} seconds for CUDA coredumps before exiting.")
-                time.sleep(wait)
-
-    def on_sigterm(self) -> None:
-        if self.cfg.faults.ignore_sigterm:
-            return
-        log("SIGTERM received. signum=None frame=None. Draining requests and shutting down...")
-        self.state.gracefully_exit = True
-
-    async def sigterm_watchdog(self) -> None:
-        # SGLang's sigterm_watchdog polls on a 5 s period; the period is observable (the drain
-        # starts up to one period after SIGTERM), so it is modelled, not replaced by an event.
-        while not self.state.gracefully_exit:  # noqa: ASYNC110
-            await asyncio.sleep(self.seconds("drain_step"))
-        assert self.engine is not None
-        while True:
-            rids = list(self.engine.streams)
-            if self.state.status == "UnHealthy":
-                log("Signal SIGTERM received while health check failed. Force exiting.")
-                kill_process_tree(os.getpid())
-            log(
-                f"Gracefully exiting... Remaining number of requests {len(rids)}. "
-                f"Remaining requests remaining_rids={rids}."
-            )
-            if not rids:
-                break
-            await asyncio.sleep(self.seconds("drain_step"))
-        if self.profile.sigterm_ends_in_sigkill:
-            kill_process_tree(os.getpid(), include_parent=True)
-        await self.shutdown_schedulers()
-        self.uvicorn_server.should_exit = True
-
-    async def shutdown_schedulers(self) -> None:
-        """0.5.23: ShutdownReq to the schedulers, wait <= 15 s, SIGKILL the rest."""
-        for _, _, conn in self.children:
-            with contextlib.suppress(OSError):
-                conn.send(("shutdown",))
-        deadline = time.monotonic() + self.seconds("scheduler_exit")
-        # Child exits are not events on this loop (multiprocessing owns them): poll briefly.
-        while time.monotonic() < deadline and any(p.is_alive() for _, p, _ in self.children):  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
-        alive = [p.pid for _, p, _ in self.children if p.is_alive()]
-        if alive:
-            log(
-                "Schedulers still alive 15s after ShutdownReq, killing them before they "
-                f"released: {alive}"
-            )
-            for _, proc, _ in self.children:
-                if proc.is_alive():
-                    proc.kill()
-
-    def on_first_request(self) -> None:
-        """TokenizerManager.auto_create_handle_loop(): the drain handler overrides uvicorn's."""
-        if self.state.first_request_seen:
-            return
-        self.state.first_request_seen = True
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
-        self.background.add(loop.create_task(self.sigterm_watchdog()))
-
-    # -- warmup --------------------------------------------------------------------------------
-
-    async def warmup(self) -> None:
-        import httpx  # noqa: PLC0415
-
-        base = f"http://{self.args.host}:{self.args.port}"
-        headers = {"Authorization": f"Bearer {self.args.api_key}"} if self.args.api_key else {}
-        if not self.args.skip_server_warmup:
-            await asyncio.sleep(self.seconds("warmup_sleep"))
-            try:
-                # 0.5.12+ asks the new route (the old one logs a deprecation).
-                info = "/model_info" if self.profile.deprecated_info_routes else "/get_model_info"
-                async with httpx.AsyncClient(headers=headers, timeout=600, trust_env=False) as c:
-                    for _ in range(120):
-                        with contextlib.suppress(httpx.HTTPError):
-                            if (await c.get(base + info, timeout=5)).status_code == 200:
-                                break
-                        await asyncio.sleep(self.seconds("warmup_sleep"))
-                    res = await c.post(
-                        base + "/generate",
-                        json={
-                            "text": "The capital city of France is",
-                            "sampling_params": {"temperature": 0, "max_new_tokens": 8},
-                        },
-                    )
-                    res.raise_for_status()
-            except Exception:
-                import traceback  # noqa: PLC0415
-
-                log(f"Initialization failed. warmup error: {traceback.format_exc()}")
-                kill_process_tree(os.getpid())
-        self.state.status = "Up"
-        log("The server is fired up and ready to roll!")
-        for _, _, conn in self.children:
-            with contextlib.suppress(OSError):
-                conn.send(("ready",))
-        threading.Thread(target=self.output_faults, name="output-faults", daemon=True).start()
-
-    def output_faults(self) -> None:
-        faults = self.cfg.faults
-        out = sys.stderr.buffer
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S").encode()
-        if faults.flood_lines:
-            chunk: list[bytes] = []
-            for i in range(faults.flood_lines):
-                chunk.append(b"[%s] flood line %08d %s\n" % (stamp, i, b"x" * 40))
-                if len(chunk) == 1000:
-                    out.write(b"".join(chunk))
-                    chunk.clear()
-            out.write(b"".join(chunk))
-            out.write(b"[%s] flood done: %d lines\n" % (stamp, faults.flood_lines))
-        if faults.invalid_utf8:
-            out.write(b"[%s] invalid bytes: \xff\xfe\xc3\x28 \x80 end\n" % stamp)
-        if faults.long_line_bytes:
-            out.write(b"[%s] long line: %s\n" % (stamp, b"L" * faults.long_line_bytes))
-        out.flush()
 
     # -- HTTP ----------------------------------------------------------------------------------
 
@@ -365,10 +106,10 @@ class StandinServer:
         )
         server = uvicorn.Server(config)
         self.uvicorn_server = server
-        signal.signal(signal.SIGQUIT, self.running_sigquit_handler)
+        signal.signal(signal.SIGQUIT, functools.partial(running_sigquit_handler, self))
 
         # 0.5.23 starts its warm-up thread in the app's lifespan, before the bind.
-        warm = loop.create_task(self.warmup()) if self.profile.warmup_before_bind else None
+        warm = loop.create_task(warmup(self)) if self.profile.warmup_before_bind else None
 
         async def after_start() -> None:
             while not server.started:
@@ -378,7 +119,7 @@ class StandinServer:
             if self.cfg.faults.ignore_sigterm:
                 loop.add_signal_handler(signal.SIGTERM, lambda: None)
             if warm is None:
-                await self.warmup()
+                await warmup(self)
 
         task = loop.create_task(after_start())
         try:
@@ -420,11 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     log(f"server_args={server_args_repr(args)}")
     server = StandinServer(args, profile, cfg)
     try:
-        signal.signal(signal.SIGQUIT, StandinServer.launch_sigquit_handler)
-        server.launch_children()
-        server.wait_schedulers_ready()
+        signal.signal(signal.SIGQUIT, launch_sigquit_handler)
+        launch_children(server)
+        wait_schedulers_ready(server)
         if profile.subprocess_watchdog:
-            server.start_subprocess_watchdog()
+            start_subprocess_watchdog(server)
         try:
             asyncio.run(server.serve_http())
         except SystemExit as exc:
