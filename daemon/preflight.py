@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .argspec import add_specs, split_command
+from gpuwarden.standin.argspec import add_specs, split_command
+
 from .configs import ResolvedConfig
 from .redact import Redactor
 from .serverparser import ParserSpec, ServerParsers, known_server

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
-from gpuwarden.daemon.argspec import OptionSpec, option_strings, split_command
+from gpuwarden.standin.argspec import OptionSpec, option_strings, split_command
 
 MASK = "***"
 _SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD", re.IGNORECASE)

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .argspec import KIND_HELP, OptionSpec, parse_help, split_command
+from gpuwarden.standin.argspec import KIND_HELP, OptionSpec, parse_help, split_command
+
 from .configs import ResolvedConfig
 
 INTROSPECT_TIMEOUT_S = 120.0

@@ -6,6 +6,6 @@ Spawned children re-import this module as ``__mp_main__``, so it imports nothing
 if __name__ == "__main__":
     import sys
 
-    from gpuwarden.standin.server import main
+    from .server import main
 
     sys.exit(main())

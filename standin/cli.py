@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from gpuwarden.daemon.argspec import (
+from .argspec import (
     KIND_BOOL_PAIR,
     KIND_FLAG,
     KIND_STORE,
@@ -26,8 +26,8 @@ from gpuwarden.daemon.argspec import (
     add_specs,
     default_dest,
 )
-from gpuwarden.standin.faults import add_fault_args
-from gpuwarden.standin.versions import DEFAULT_VERSION, PROFILES, VERSIONS, Profile
+from .faults import add_fault_args
+from .versions import DEFAULT_VERSION, PROFILES, VERSIONS, Profile
 
 # Types of the options whose values the stand-in uses (help text carries no types).
 TYPES: dict[str, type] = {

@@ -16,8 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from gpuwarden.standin import fakegpu
-from gpuwarden.standin.procs import log_line, set_title
+from . import fakegpu
+from .childinit import set_title
+from .logline import log_line
 
 
 def main(argv: list[str]) -> int:

@@ -1,8 +1,8 @@
 """Fault injection for the stand-in: which failure to produce, and when.
 
 Each fault is its own ``--standin-*`` flag (see `add_fault_args`); the README lists them with the
-SGLang output each one reproduces. This module is data only: the scheduler (procs.py) and the
-main process (server.py) act on it.
+SGLang output each one reproduces. This module is data only: the scheduler ranks (rankload.py,
+scheduler.py) and the main process act on it.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ Signals follow the chosen version: SIGTERM while loading kills at once (no handl
 uvicorn serves, uvicorn's handler; from the first generate request a drain handler that ends
 in ``kill_process_tree`` (-9, up to 0.5.12) or a clean exit 0 (0.5.23). SIGQUIT from a child is
 the crash channel: ``Received sigquit ...`` and -9.
+
+This module holds the main process's state (`StandinServer`), uvicorn's serving and `main`; the
+process tree, the signal handlers, the warm-up and the HTTP routes have modules of their own.
 """
 
 from __future__ import annotations
@@ -17,53 +20,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import json
-import logging
-import multiprocessing as mp
+import functools
 import os
 import signal
 import sys
-import threading
 import time
-import uuid
 import warnings
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from types import FrameType
 from typing import Any
 
-import psutil
-
-from gpuwarden.standin import cli, fakegpu
-from gpuwarden.standin.faults import faults_from_args
-from gpuwarden.standin.procs import ChildConfig, log_line, run_detokenizer, run_scheduler
-from gpuwarden.standin.specmodel import resolve_spec_params
-from gpuwarden.standin.versions import PROFILES, SPEC_ALGORITHMS_0_5_23, Profile
-
-# Simulated durations in seconds at --standin-time-scale 1.0 (token pacing is never scaled).
-DURATIONS: dict[str, float] = {
-    "import": 3.0,  # main: torch, triton, transformers ...
-    "child_import": 1.0,  # each spawned child re-imports sglang
-    "dist_init": 0.5,
-    "load_shard": 1.0,  # 4 shards
-    "kv_alloc": 0.3,
-    "capture_step": 0.25,  # 8 batch sizes
-    "draft_load": 1.0,
-    "warmup_sleep": 1.0,  # the warmup thread's sleep before its first poll
-    "drain_step": 5.0,  # sigterm_watchdog's period
-    "watchdog_grace": 5.0,  # the scheduler watchdog sleeps before SIGQUIT
-    "health_timeout": 20.0,  # SGLANG_HEALTH_CHECK_TIMEOUT
-    "scheduler_exit": 15.0,  # 0.5.23's _SCHEDULER_EXIT_TIMEOUT_SECS
-    "subprocess_watchdog": 1.0,  # 0.5.12+'s SubprocessWatchdog period
-    "crash_settle": 5.0,  # 0.5.23: "Sleeping 5 seconds before crash diagnostics"
-}
-
-WORDS = (
-    "the quick brown fox jumps over a lazy dog while seven tired engineers tune speculative "
-    "decoding on eight GPUs and count tokens per second until the drafter learns"
-).split()
+from . import cli
+from .childconfig import ChildConfig
+from .crash import launch_sigquit_handler, running_sigquit_handler
+from .durations import DURATIONS
+from .engine import EngineClient, ServerState
+from .logline import log
+from .serverargs import resolve, server_args_repr
+from .tree import (
+    kill_process_tree,
+    launch_children,
+    start_subprocess_watchdog,
+    wait_schedulers_ready,
+)
+from .versions import PROFILES, Profile
+from .warmup import warmup
 
 UVICORN_LOG_CONFIG: dict[str, Any] = {}
 
@@ -82,173 +63,6 @@ def _uvicorn_log_config() -> dict[str, Any]:
     cfg["formatters"]["access"]["datefmt"] = "%Y-%m-%d %H:%M:%S"
     cfg["formatters"]["access"]["use_colors"] = False
     return cfg
-
-
-def kill_process_tree(parent_pid: int, include_parent: bool = True) -> None:
-    """SGLang's kill_process_tree: SIGKILL the children; killing itself ends in -9."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    try:
-        itself = psutil.Process(parent_pid)
-    except psutil.NoSuchProcess:
-        return
-    for child in itself.children(recursive=True):
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-    if include_parent:
-        if parent_pid == os.getpid():
-            sys.stderr.flush()
-            itself.kill()
-            sys.exit(0)
-        with contextlib.suppress(psutil.NoSuchProcess):
-            itself.kill()
-            itself.send_signal(signal.SIGQUIT)
-
-
-def _env_bool(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    return value.strip().lower() in ("1", "true", "yes", "on")
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ[name])
-    except (KeyError, ValueError):
-        return default
-
-
-def log(message: str) -> None:
-    log_line("", message)
-
-
-# --------------------------------------------------------------------------------------------
-# Arguments
-# --------------------------------------------------------------------------------------------
-
-
-def server_args_repr(args: Any) -> str:
-    fields = {k: v for k, v in vars(args).items() if not k.startswith("standin_")}
-    return "ServerArgs(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
-
-
-def resolve(args: Any, profile: Profile) -> ChildConfig:
-    """Semantic validation after argparse: failures are tracebacks with exit 1, as in SGLang."""
-    getattr(logging, args.log_level.upper())  # a bad --log-level is an AttributeError
-    algorithm = args.speculative_algorithm
-    if (
-        profile.version == "0.5.23"
-        and algorithm is not None
-        and algorithm.upper() not in SPEC_ALGORITHMS_0_5_23
-    ):
-        raise ValueError(f"Unknown speculative algorithm name: {algorithm}")
-    warn: list[str] = []
-    spec = resolve_spec_params(
-        algorithm,
-        args.speculative_num_steps,
-        args.speculative_eagle_topk,
-        args.speculative_num_draft_tokens,
-        warn,
-    )
-    if spec is not None:
-        args.speculative_num_steps = spec.steps
-        args.speculative_eagle_topk = spec.topk
-        args.speculative_num_draft_tokens = spec.draft_tokens
-    for message in warn:
-        log(message)
-    max_running = getattr(args, "max_running_requests", None)
-    if max_running is None:
-        max_running = 48 if spec is not None else 1024
-    environ = os.environ
-    return ChildConfig(
-        version=profile.version,
-        tp_size=args.tp_size,
-        time_scale=args.standin_time_scale,
-        seed=args.standin_seed,
-        decode_log_interval=args.decode_log_interval,
-        spec=spec,
-        cuda_graph=not args.disable_cuda_graph,
-        mem_fraction_static=args.mem_fraction_static or 0.85,
-        max_running_requests=max_running,
-        context_length=getattr(args, "context_length", None) or 32768,
-        model_path=args.model_path,
-        draft_model_path=args.speculative_draft_model_path,
-        faults=faults_from_args(args),
-        fake_gpu_dir=environ.get(fakegpu.ENV_DIR),
-        cuda_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
-        durations=dict(DURATIONS),
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# The engine client (SGLang's TokenizerManager, reduced to what can be observed)
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ServerState:
-    status: str = "Starting"  # Starting | Up | UnHealthy
-    gracefully_exit: bool = False
-    first_request_seen: bool = False
-    last_heartbeat: float = field(default_factory=time.time)
-    stats: dict[str, Any] = field(default_factory=dict)
-
-
-class EngineClient:
-    def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop, state: ServerState):
-        self.conn = conn
-        self.loop = loop
-        self.state = state
-        self.streams: dict[str, asyncio.Queue[tuple[int, bool]]] = {}
-        self._send_lock = threading.Lock()
-        threading.Thread(target=self._reader, name="engine-reader", daemon=True).start()
-
-    def _reader(self) -> None:
-        while True:
-            try:
-                msg = self.conn.recv()
-            except (EOFError, OSError):
-                return  # the scheduler is gone; 0.5.5 is not told (SGLANG.md §2)
-            self.loop.call_soon_threadsafe(self._dispatch, msg)
-
-    def _dispatch(self, msg: tuple[Any, ...]) -> None:
-        if msg[0] == "out":
-            self.state.last_heartbeat = time.time()
-            for rid, n, finished in msg[1]:
-                queue = self.streams.get(rid)
-                if queue is not None:
-                    queue.put_nowait((n, finished))
-        elif msg[0] == "stats":
-            self.state.stats.update(msg[1])
-
-    def send(self, msg: tuple[Any, ...]) -> None:
-        with self._send_lock, contextlib.suppress(OSError):
-            self.conn.send(msg)
-
-    async def generate(self, prompt_tokens: int, max_new_tokens: int) -> AsyncGenerator[int, None]:
-        """Yields the number of new tokens of each step until the request finishes."""
-        rid = uuid.uuid4().hex
-        queue: asyncio.Queue[tuple[int, bool]] = asyncio.Queue()
-        self.streams[rid] = queue
-        finished = False
-        self.send(("gen", rid, max(1, prompt_tokens), max(1, max_new_tokens)))
-        try:
-            while not finished:
-                n, finished = await queue.get()
-                yield n
-        finally:
-            self.streams.pop(rid, None)
-            if not finished:
-                self.send(("abort", rid))
-
-
-def token_text(start: int, count: int) -> str:
-    return "".join(WORDS[(start + i) % len(WORDS)] + " " for i in range(count))
-
-
-# --------------------------------------------------------------------------------------------
-# The server
-# --------------------------------------------------------------------------------------------
 
 
 class StandinServer:
@@ -270,602 +84,18 @@ class StandinServer:
     def seconds(self, name: str) -> float:
         return DURATIONS[name] * self.scale
 
-    # -- process tree --------------------------------------------------------------------------
-
-    def launch_children(self) -> None:
-        ctx = mp.get_context("spawn")
-        for rank in range(self.cfg.tp_size):
-            parent_conn, child_conn = ctx.Pipe()
-            proc = ctx.Process(
-                target=run_scheduler, args=(rank, self.cfg, child_conn), name=f"scheduler_{rank}"
-            )
-            proc.start()
-            child_conn.close()
-            self.children.append((f"scheduler_{rank}", proc, parent_conn))
-        parent_conn, child_conn = ctx.Pipe()
-        proc = ctx.Process(target=run_detokenizer, args=(self.cfg, child_conn), name="detokenizer")
-        proc.start()
-        child_conn.close()
-        self.children.append(("detokenizer", proc, parent_conn))
-
-    def wait_schedulers_ready(self) -> None:
-        for name, proc, conn in self.children:
-            if not name.startswith("scheduler_"):
-                continue
-            rank = int(name.split("_")[1])
-            try:
-                self.ready_infos.append(conn.recv())
-            except EOFError:
-                proc.join(timeout=5)
-                code = proc.exitcode
-                if self.profile.at_least_0_5_12:
-                    raise RuntimeError(
-                        f"Rank {rank} scheduler died during initialization (exit code: {code}). "
-                        "If exit code is -9 (SIGKILL), a common cause is the OS OOM killer. "
-                        "Run `dmesg -T | grep -i oom` to check."
-                    ) from None
-                log(f"Rank {rank} scheduler is dead. Please check if there are relevant logs.")
-                log(f"Exit code: {code}")
-                sys.exit(1)
-
-    def start_subprocess_watchdog(self) -> None:
-        """0.5.12+: notice a child that died without telling (a C++ abort)."""
-
-        def watch() -> None:
-            while True:
-                time.sleep(self.seconds("subprocess_watchdog"))
-                for name, proc, _ in self.children:
-                    if self.exiting or self.state.gracefully_exit:
-                        return
-                    if proc.exitcode is not None:
-                        log(
-                            f"Subprocess {name} (pid={proc.pid}) crashed with exit code "
-                            f"{proc.exitcode}. Triggering SIGQUIT for cleanup..."
-                        )
-                        os.kill(os.getpid(), signal.SIGQUIT)
-                        return
-
-        threading.Thread(target=watch, name="subprocess-watchdog", daemon=True).start()
-
-    # -- signals -------------------------------------------------------------------------------
-
-    @staticmethod
-    def launch_sigquit_handler(signum: int, frame: FrameType | None) -> None:
-        log("Received sigquit from a child process. It usually means the child failed.")
-        kill_process_tree(os.getpid())
-
-    def running_sigquit_handler(self, signum: int, frame: FrameType | None) -> None:
-        # SGLang's handler is called with no arguments: it prints None, None.
-        log("SIGQUIT received. signum=None, frame=None. It usually means one child failed.")
-        self.exiting = True  # the subprocess watchdog stops first
-        self.crash_diagnostics()
-        kill_process_tree(os.getpid())
-
-    def crash_diagnostics(self) -> None:
-        """0.5.23's dump_requests_before_crash: with its defaults the dead server lingers,
-        port open and requests hanging (this runs on the event loop's thread), 5 s, and 60 s
-        more while a scheduler is alive (a dead detokenizer) waiting for CUDA coredumps."""
-        if not self.profile.crash_diagnostics:
-            return
-        pyspy = _env_bool("SGLANG_PYSPY_DUMP_BEFORE_CRASH", True)
-        coredump = _env_bool("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", True)
-        if not (pyspy or coredump):
-            return
-        log("Sleeping 5 seconds before crash diagnostics to let GPU activity settle.")
-        settle = self.seconds("crash_settle")
-        # At least 1 s, even time-scaled: a scheduler that has just reported its exception is
-        # on its way out, and SGLang's 5 s always sees it gone.
-        deadline = time.monotonic() + max(settle, 1.0)
-        time.sleep(settle)
-        schedulers = [p for name, p, _ in self.children if name.startswith("scheduler")]
-        for proc in schedulers:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        live = [p for p in schedulers if p.is_alive()]
-        if not live:
-            log("No live scheduler processes found; skipping py-spy and CUDA coredump.")
-            return
-        if pyspy:
-            for proc in live:
-                for flag in ("--native", ""):
-                    cmd = f"py-spy dump {flag} --pid {proc.pid}"  # two spaces without a flag
-                    log(f"Pyspy failed ({cmd}). Error: /bin/sh: 1: py-spy: not found\n")
-                log(f"All pyspy dump attempts failed for PID {proc.pid}.")
-        if coredump:
-            log(
-                "CUDA user-triggered coredump is not enabled. Set "
-                "CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1 before CUDA initialization."
-            )
-            for proc in live:
-                log(
-                    f"CUDA coredump pipe not found for PID {proc.pid}: "
-                    f"/tmp/corepipe.cuda.vm.{proc.pid}. Ensure "
-                    "CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1 was set before this process "
-                    "initialized CUDA."
-                )
-            wait = _env_float("SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS", 60.0)
-            if wait > 0:
-                log(f"Waiting {wait:.1f} seconds for CUDA coredumps before exiting.")
-                time.sleep(wait)
-
-    def on_sigterm(self) -> None:
-        if self.cfg.faults.ignore_sigterm:
-            return
-        log("SIGTERM received. signum=None frame=None. Draining requests and shutting down...")
-        self.state.gracefully_exit = True
-
-    async def sigterm_watchdog(self) -> None:
-        # SGLang's sigterm_watchdog polls on a 5 s period; the period is observable (the drain
-        # starts up to one period after SIGTERM), so it is modelled, not replaced by an event.
-        while not self.state.gracefully_exit:  # noqa: ASYNC110
-            await asyncio.sleep(self.seconds("drain_step"))
-        assert self.engine is not None
-        while True:
-            rids = list(self.engine.streams)
-            if self.state.status == "UnHealthy":
-                log("Signal SIGTERM received while health check failed. Force exiting.")
-                kill_process_tree(os.getpid())
-            log(
-                f"Gracefully exiting... Remaining number of requests {len(rids)}. "
-                f"Remaining requests remaining_rids={rids}."
-            )
-            if not rids:
-                break
-            await asyncio.sleep(self.seconds("drain_step"))
-        if self.profile.sigterm_ends_in_sigkill:
-            kill_process_tree(os.getpid(), include_parent=True)
-        await self.shutdown_schedulers()
-        self.uvicorn_server.should_exit = True
-
-    async def shutdown_schedulers(self) -> None:
-        """0.5.23: ShutdownReq to the schedulers, wait <= 15 s, SIGKILL the rest."""
-        for _, _, conn in self.children:
-            with contextlib.suppress(OSError):
-                conn.send(("shutdown",))
-        deadline = time.monotonic() + self.seconds("scheduler_exit")
-        # Child exits are not events on this loop (multiprocessing owns them): poll briefly.
-        while time.monotonic() < deadline and any(p.is_alive() for _, p, _ in self.children):  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
-        alive = [p.pid for _, p, _ in self.children if p.is_alive()]
-        if alive:
-            log(
-                "Schedulers still alive 15s after ShutdownReq, killing them before they "
-                f"released: {alive}"
-            )
-            for _, proc, _ in self.children:
-                if proc.is_alive():
-                    proc.kill()
-
-    def on_first_request(self) -> None:
-        """TokenizerManager.auto_create_handle_loop(): the drain handler overrides uvicorn's."""
-        if self.state.first_request_seen:
-            return
-        self.state.first_request_seen = True
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
-        self.background.add(loop.create_task(self.sigterm_watchdog()))
-
-    # -- warmup --------------------------------------------------------------------------------
-
-    async def warmup(self) -> None:
-        import httpx  # noqa: PLC0415
-
-        base = f"http://{self.args.host}:{self.args.port}"
-        headers = {"Authorization": f"Bearer {self.args.api_key}"} if self.args.api_key else {}
-        if not self.args.skip_server_warmup:
-            await asyncio.sleep(self.seconds("warmup_sleep"))
-            try:
-                # 0.5.12+ asks the new route (the old one logs a deprecation).
-                info = "/model_info" if self.profile.deprecated_info_routes else "/get_model_info"
-                async with httpx.AsyncClient(headers=headers, timeout=600, trust_env=False) as c:
-                    for _ in range(120):
-                        with contextlib.suppress(httpx.HTTPError):
-                            if (await c.get(base + info, timeout=5)).status_code == 200:
-                                break
-                        await asyncio.sleep(self.seconds("warmup_sleep"))
-                    res = await c.post(
-                        base + "/generate",
-                        json={
-                            "text": "The capital city of France is",
-                            "sampling_params": {"temperature": 0, "max_new_tokens": 8},
-                        },
-                    )
-                    res.raise_for_status()
-            except Exception:
-                import traceback  # noqa: PLC0415
-
-                log(f"Initialization failed. warmup error: {traceback.format_exc()}")
-                kill_process_tree(os.getpid())
-        self.state.status = "Up"
-        log("The server is fired up and ready to roll!")
-        for _, _, conn in self.children:
-            with contextlib.suppress(OSError):
-                conn.send(("ready",))
-        threading.Thread(target=self.output_faults, name="output-faults", daemon=True).start()
-
-    def output_faults(self) -> None:
-        faults = self.cfg.faults
-        out = sys.stderr.buffer
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S").encode()
-        if faults.flood_lines:
-            chunk: list[bytes] = []
-            for i in range(faults.flood_lines):
-                chunk.append(b"[%s] flood line %08d %s\n" % (stamp, i, b"x" * 40))
-                if len(chunk) == 1000:
-                    out.write(b"".join(chunk))
-                    chunk.clear()
-            out.write(b"".join(chunk))
-            out.write(b"[%s] flood done: %d lines\n" % (stamp, faults.flood_lines))
-        if faults.invalid_utf8:
-            out.write(b"[%s] invalid bytes: \xff\xfe\xc3\x28 \x80 end\n" % stamp)
-        if faults.long_line_bytes:
-            out.write(b"[%s] long line: %s\n" % (stamp, b"L" * faults.long_line_bytes))
-        out.flush()
-
     # -- HTTP ----------------------------------------------------------------------------------
-
-    def build_app(self) -> Any:
-        from starlette.applications import Starlette  # noqa: PLC0415
-        from starlette.middleware import Middleware  # noqa: PLC0415
-        from starlette.middleware.base import BaseHTTPMiddleware  # noqa: PLC0415
-        from starlette.requests import Request  # noqa: PLC0415
-        from starlette.responses import (  # noqa: PLC0415
-            JSONResponse,
-            PlainTextResponse,
-            Response,
-            StreamingResponse,
-        )
-        from starlette.routing import Route  # noqa: PLC0415
-
-        server = self
-        profile = self.profile
-
-        def deprecated(old: str, new: str) -> None:
-            if profile.deprecated_info_routes:
-                log(
-                    f"Endpoint '{old}' is deprecated and will be removed in a future version. "
-                    f"Please use '{new}' instead."
-                )
-
-        async def health(request: Request) -> Response:
-            st = server.state
-            if st.gracefully_exit or st.status == "Starting":
-                return Response(status_code=503)
-            if st.status == "UnHealthy" and profile.health_unhealthy_is_sticky:
-                return Response(status_code=503)
-            assert server.engine is not None
-            tic = time.time()
-            gen = server.engine.generate(1, 1)
-            try:
-                await asyncio.wait_for(anext(gen), timeout=server.seconds("health_timeout"))
-            except TimeoutError:
-                log(
-                    "Health check failed. Server couldn't get a response from detokenizer for "
-                    f"last {int(DURATIONS['health_timeout'])} seconds. tic start time: "
-                    f"{time.strftime('%H:%M:%S', time.localtime(tic))}. last_heartbeat time: "
-                    f"{time.strftime('%H:%M:%S', time.localtime(st.last_heartbeat))}"
-                )
-                st.status = "UnHealthy"
-                return Response(status_code=503)
-            finally:
-                await gen.aclose()
-            st.status = "Up"
-            return Response(status_code=200)
-
-        async def ready(request: Request) -> Response:
-            ok = server.state.status == "Up" and not server.state.gracefully_exit
-            return Response(status_code=200 if ok else 503)
-
-        def model_info() -> dict[str, Any]:
-            return {
-                "model_path": server.args.model_path,
-                "tokenizer_path": server.args.tokenizer_path or server.args.model_path,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": "default",
-            }
-
-        async def get_model_info(request: Request) -> Response:
-            deprecated("/get_model_info", "/model_info")
-            return JSONResponse(model_info())
-
-        async def model_info_route(request: Request) -> Response:
-            info = model_info()
-            info.update(served_model_name=server.model_name, architectures=["LlamaForCausalLM"])
-            return JSONResponse(info)
-
-        def server_info() -> dict[str, Any]:
-            args = {k: v for k, v in vars(server.args).items() if not k.startswith("standin_")}
-            first = server.ready_infos[0] if server.ready_infos else {}
-            internal: dict[str, Any] = {
-                "last_gen_throughput": server.state.stats.get("last_gen_throughput", 0.0),
-                "memory_usage": {
-                    "weight": 42.1,
-                    "kvcache": 70.3,
-                    "token_capacity": 1,
-                    "graph": 1.44,
-                },
-            }
-            accept = server.state.stats.get("avg_spec_accept_length")
-            if accept is not None:
-                internal["avg_spec_accept_length"] = accept
-            info = {
-                **args,
-                "max_total_num_tokens": first.get("max_total_num_tokens"),
-                "max_req_input_len": first.get("max_req_input_len"),
-                "internal_states": [internal],
-                "version": profile.version,
-            }
-            if profile.version == "0.5.23":
-                info.update(startup_time=server.started_at, frontend="python")
-            return info
-
-        async def get_server_info(request: Request) -> Response:
-            deprecated("/get_server_info", "/server_info")
-            return JSONResponse(server_info())
-
-        async def server_info_route(request: Request) -> Response:
-            return JSONResponse(server_info())
-
-        async def models(request: Request) -> Response:
-            return JSONResponse(
-                {
-                    "object": "list",
-                    "data": [
-                        {
-                            "id": server.model_name,
-                            "object": "model",
-                            "created": int(server.started_at),
-                            "owned_by": "sglang",
-                            "root": server.model_name,
-                            "parent": None,
-                            "max_model_len": server.cfg.context_length,
-                        }
-                    ],
-                }
-            )
-
-        async def ping(request: Request) -> Response:
-            return Response(status_code=200)
-
-        async def flush_cache(request: Request) -> Response:
-            return PlainTextResponse(
-                "Cache flushed.\nPlease check backend logs for more details. (When there are "
-                "running or waiting requests, the operation will not be performed.)\n"
-            )
-
-        async def read_json(request: Request) -> dict[str, Any] | Response:
-            try:
-                body = await request.json()
-            except ValueError:
-                return JSONResponse({"error": "invalid JSON body"}, status_code=400)
-            if not isinstance(body, dict):
-                return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
-            return body
-
-        def sse(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-            async def body() -> AsyncIterator[bytes]:
-                async for item in items:
-                    yield b"data: " + json.dumps(item).encode() + b"\n\n"
-                yield b"data: [DONE]\n\n"
-
-            return StreamingResponse(body(), media_type="text/event-stream")
-
-        async def generate(request: Request) -> Response:
-            body = await read_json(request)
-            if isinstance(body, Response):
-                return body
-            server.on_first_request()
-            assert server.engine is not None
-            params = body.get("sampling_params") or {}
-            max_new = int(params.get("max_new_tokens", 128))
-            prompt = body.get("text") or ""
-            prompt_tokens = len(body.get("input_ids") or []) or max(1, len(str(prompt).split()))
-            rid = uuid.uuid4().hex
-
-            async def run() -> AsyncIterator[dict[str, Any]]:
-                done = 0
-                text = ""
-                tic = time.monotonic()
-                async for n in server.engine.generate(prompt_tokens, max_new):  # type: ignore[union-attr]
-                    text += token_text(done, n)
-                    done += n
-                    yield {
-                        "text": text,
-                        "meta_info": {
-                            "id": rid,
-                            "finish_reason": (
-                                {"type": "length", "length": done} if done >= max_new else None
-                            ),
-                            "prompt_tokens": prompt_tokens,
-                            "completion_tokens": done,
-                            "cached_tokens": 0,
-                            "e2e_latency": time.monotonic() - tic,
-                        },
-                    }
-
-            if body.get("stream"):
-                return sse(run())
-            last: dict[str, Any] = {}
-            async for item in run():
-                last = item
-            return JSONResponse(last)
-
-        async def chat_completions(request: Request) -> Response:
-            body = await read_json(request)
-            if isinstance(body, Response):
-                return body
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                return JSONResponse(
-                    {
-                        "object": "error",
-                        "message": "messages must be a non-empty list",
-                        "type": "BadRequestError",
-                        "param": None,
-                        "code": 400,
-                    },
-                    status_code=400,
-                )
-            server.on_first_request()
-            prompt_tokens = sum(
-                len(str(m.get("content", "")).split()) + 4 for m in messages if isinstance(m, dict)
-            )
-            max_new = int(body.get("max_completion_tokens") or body.get("max_tokens") or 128)
-            return await openai_response(body, prompt_tokens, max_new, chat=True)
-
-        async def completions(request: Request) -> Response:
-            body = await read_json(request)
-            if isinstance(body, Response):
-                return body
-            server.on_first_request()
-            prompt_tokens = max(1, len(str(body.get("prompt", "")).split()))
-            max_new = int(body.get("max_tokens") or 16)
-            return await openai_response(body, prompt_tokens, max_new, chat=False)
-
-        async def openai_response(
-            body: dict[str, Any], prompt_tokens: int, max_new: int, chat: bool
-        ) -> Response:
-            assert server.engine is not None
-            cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-            created = int(time.time())
-            model = body.get("model") or server.model_name
-            obj = "chat.completion" if chat else "text_completion"
-            usage_requested = bool((body.get("stream_options") or {}).get("include_usage"))
-
-            def usage(done: int) -> dict[str, int]:
-                return {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": done,
-                    "total_tokens": prompt_tokens + done,
-                }
-
-            if body.get("stream"):
-
-                async def chunks() -> AsyncIterator[dict[str, Any]]:
-                    done = 0
-                    first = True
-                    async for n in server.engine.generate(prompt_tokens, max_new):  # type: ignore[union-attr]
-                        piece = token_text(done, n)
-                        done += n
-                        finish = "length" if done >= max_new else None
-                        if chat:
-                            delta: dict[str, Any] = {"content": piece}
-                            if first:
-                                delta["role"] = "assistant"
-                            choice: dict[str, Any] = {"index": 0, "delta": delta}
-                        else:
-                            choice = {"index": 0, "text": piece}
-                        choice["finish_reason"] = finish
-                        first = False
-                        yield {
-                            "id": cid,
-                            "object": obj + (".chunk" if chat else ""),
-                            "created": created,
-                            "model": model,
-                            "choices": [choice],
-                        }
-                    if usage_requested:
-                        yield {
-                            "id": cid,
-                            "object": obj + (".chunk" if chat else ""),
-                            "created": created,
-                            "model": model,
-                            "choices": [],
-                            "usage": usage(done),
-                        }
-
-                return sse(chunks())
-            done = 0
-            text = ""
-            async for n in server.engine.generate(prompt_tokens, max_new):
-                text += token_text(done, n)
-                done += n
-            choice = (
-                {"index": 0, "message": {"role": "assistant", "content": text}}
-                if chat
-                else {"index": 0, "text": text}
-            )
-            choice["finish_reason"] = "length"
-            return JSONResponse(
-                {
-                    "id": cid,
-                    "object": obj,
-                    "created": created,
-                    "model": model,
-                    "choices": [choice],
-                    "usage": usage(done),
-                }
-            )
-
-        async def metrics(request: Request) -> Response:
-            stats = server.state.stats
-            labels = (
-                f'model_name="{server.model_name}",engine_type="unified",tp_rank="0",pp_rank="0"'
-            )
-            accept = stats.get("avg_spec_accept_length") or 0.0
-            running = len(server.engine.streams) if server.engine else 0
-            text = (
-                "# HELP sglang:gen_throughput The generation throughput (token/s).\n"
-                "# TYPE sglang:gen_throughput gauge\n"
-                f"sglang:gen_throughput{{{labels}}} {stats.get('last_gen_throughput', 0.0)}\n"
-                "# HELP sglang:num_running_reqs The number of running requests.\n"
-                "# TYPE sglang:num_running_reqs gauge\n"
-                f"sglang:num_running_reqs{{{labels}}} {running}\n"
-                "# HELP sglang:spec_accept_length "
-                "The average acceptance length of speculative decoding.\n"
-                "# TYPE sglang:spec_accept_length gauge\n"
-                f"sglang:spec_accept_length{{{labels}}} {accept}\n"
-            )
-            return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
-
-        routes = [
-            Route("/health", health, methods=["GET"]),
-            Route("/health_generate", health, methods=["GET"]),
-            Route("/get_model_info", get_model_info, methods=["GET"]),
-            Route("/get_server_info", get_server_info, methods=["GET"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/ping", ping, methods=["GET"]),
-            Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
-            Route("/generate", generate, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-        ]
-        if profile.at_least_0_5_12:
-            routes += [
-                Route("/model_info", model_info_route, methods=["GET"]),
-                Route("/server_info", server_info_route, methods=["GET"]),
-            ]
-        if profile.version == "0.5.23":
-            routes.append(Route("/ready", ready, methods=["GET"]))
-        if self.args.enable_metrics:
-            routes.append(Route("/metrics", metrics, methods=["GET"]))
-
-        middleware = []
-        api_key = self.args.api_key
-        if api_key:
-
-            async def check_api_key(
-                request: Request, call_next: Callable[[Request], Awaitable[Response]]
-            ) -> Response:
-                # add_api_key_middleware: /health* and /metrics* are exempt.
-                if request.url.path.startswith(("/health", "/metrics")):
-                    return await call_next(request)
-                if request.headers.get("Authorization") != f"Bearer {api_key}":
-                    return JSONResponse({"error": "Unauthorized"}, status_code=401)
-                return await call_next(request)
-
-            middleware.append(Middleware(BaseHTTPMiddleware, dispatch=check_api_key))
-        app = Starlette(routes=routes, middleware=middleware)
-        return app
 
     async def serve_http(self) -> None:
         import uvicorn  # noqa: PLC0415
+
+        from .app import build_app  # noqa: PLC0415 - starlette is heavy, main process only
 
         loop = asyncio.get_running_loop()
         sched0 = next(conn for name, _, conn in self.children if name == "scheduler_0")
         self.engine = EngineClient(sched0, loop, self.state)
         config = uvicorn.Config(
-            self.build_app(),
+            build_app(self),
             host=self.args.host,
             port=self.args.port,
             log_config=_uvicorn_log_config(),
@@ -876,10 +106,10 @@ class StandinServer:
         )
         server = uvicorn.Server(config)
         self.uvicorn_server = server
-        signal.signal(signal.SIGQUIT, self.running_sigquit_handler)
+        signal.signal(signal.SIGQUIT, functools.partial(running_sigquit_handler, self))
 
         # 0.5.23 starts its warm-up thread in the app's lifespan, before the bind.
-        warm = loop.create_task(self.warmup()) if self.profile.warmup_before_bind else None
+        warm = loop.create_task(warmup(self)) if self.profile.warmup_before_bind else None
 
         async def after_start() -> None:
             while not server.started:
@@ -889,7 +119,7 @@ class StandinServer:
             if self.cfg.faults.ignore_sigterm:
                 loop.add_signal_handler(signal.SIGTERM, lambda: None)
             if warm is None:
-                await self.warmup()
+                await warmup(self)
 
         task = loop.create_task(after_start())
         try:
@@ -931,11 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     log(f"server_args={server_args_repr(args)}")
     server = StandinServer(args, profile, cfg)
     try:
-        signal.signal(signal.SIGQUIT, StandinServer.launch_sigquit_handler)
-        server.launch_children()
-        server.wait_schedulers_ready()
+        signal.signal(signal.SIGQUIT, launch_sigquit_handler)
+        launch_children(server)
+        wait_schedulers_ready(server)
         if profile.subprocess_watchdog:
-            server.start_subprocess_watchdog()
+            start_subprocess_watchdog(server)
         try:
             asyncio.run(server.serve_http())
         except SystemExit as exc:

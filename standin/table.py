@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from gpuwarden.daemon.argspec import KIND_HELP, parse_help
+from .argspec import KIND_HELP, parse_help
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import PY, free_port
+from .conftest import PY, Proc, free_port
 from .daemon_harness import Daemon, standin_config, start_daemon
 
 
@@ -26,7 +26,9 @@ def two_configs(**extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return configs
 
 
-def test_swap_to_a_good_config_becomes_last_good(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_swap_to_a_good_config_becomes_last_good(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(
         procs, tmp_path, fake_gpu, two_configs(), default="good", restart={"probation_s": 0.3}
     )
@@ -43,8 +45,8 @@ def test_swap_to_a_good_config_becomes_last_good(procs, tmp_path: Path, fake_gpu
     assert st["swap"] is None and st["rolled_back_from"] is None
 
 
-def test_swap_refused_by_preflight_never_touches_the_running_server(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_swap_refused_by_preflight_never_touches_the_running_server(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     configs = two_configs(bad=standin_config("--speculative-eagle-top-k=4", "--tp=2"))
     d = start_daemon(procs, tmp_path, fake_gpu, configs, default="good")
@@ -83,8 +85,8 @@ def test_swap_refused_by_preflight_never_touches_the_running_server(  # type: ig
     assert st["pid"] == pid and st["state"] == "ready" and st["config"] == "good"
 
 
-def test_swap_whose_config_crashes_during_load_rolls_back_at_once(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_swap_whose_config_crashes_during_load_rolls_back_at_once(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     configs = two_configs(oom=standin_config("--standin-crash-on-load=cuda_oom"))
     d = start_daemon(
@@ -117,7 +119,9 @@ def test_swap_whose_config_crashes_during_load_rolls_back_at_once(  # type: igno
     assert "rolled_back" in cli.stderr
 
 
-def test_crash_inside_probation_rolls_back(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_crash_inside_probation_rolls_back(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     configs = two_configs(flaky=standin_config("--standin-crash-after=0.3"))
     d = start_daemon(
         procs,
@@ -137,7 +141,9 @@ def test_crash_inside_probation_rolls_back(procs, tmp_path: Path, fake_gpu: Path
     assert st["config"] == "good" and st["last_good_config"] == "good"
 
 
-def test_swap_without_a_last_good_config_ends_failed(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_swap_without_a_last_good_config_ends_failed(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     configs = two_configs(oom=standin_config("--standin-crash-on-load=cuda_oom"))
     d = start_daemon(procs, tmp_path, fake_gpu, configs)
     body = d.http.post("/restart", params={"config": "oom", "wait": "true"}).json()
@@ -145,7 +151,7 @@ def test_swap_without_a_last_good_config_ends_failed(procs, tmp_path: Path, fake
     assert d.status()["state"] == "failed"
 
 
-def test_stop_during_a_swap_wins(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_stop_during_a_swap_wins(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
     configs = two_configs(slow=standin_config(scale=1.0))
     d = start_daemon(procs, tmp_path, fake_gpu, configs, default="good")
     d.wait_state("ready")
@@ -159,7 +165,7 @@ def test_stop_during_a_swap_wins(procs, tmp_path: Path, fake_gpu: Path) -> None:
     assert d.status()["intent"]["running"] is False
 
 
-def test_auth_names_and_methods(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_auth_names_and_methods(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
     (tmp_path / "token").write_text("s3cret-token\n")
     d = start_daemon(procs, tmp_path, fake_gpu, two_configs(), token_file="./token")
     assert d.http.get("/healthz").status_code == 200
@@ -186,7 +192,9 @@ def test_auth_names_and_methods(procs, tmp_path: Path, fake_gpu: Path) -> None: 
     assert res.status_code == 400
 
 
-def test_configs_view_check_events_and_metrics(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_configs_view_check_events_and_metrics(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     configs = two_configs(
         secret=standin_config("--api-key=sk-very-secret", env={"HF_TOKEN": "hf_zzz"})
     )
@@ -208,7 +216,7 @@ def test_configs_view_check_events_and_metrics(procs, tmp_path: Path, fake_gpu: 
     assert "gpuwarden_gpu_memory_used_mib" in families
 
 
-def test_logs_previous_and_stream(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_logs_previous_and_stream(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
     d = start_daemon(procs, tmp_path, fake_gpu, two_configs(), default="good")
     d.wait_state("ready")
     first = d.status()["launch_id"]
@@ -228,7 +236,9 @@ def test_logs_previous_and_stream(procs, tmp_path: Path, fake_gpu: Path) -> None
     assert len(lines) == 3
 
 
-def test_slow_stream_reader_does_not_grow_the_daemon(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_slow_stream_reader_does_not_grow_the_daemon(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     flood = standin_config("--standin-flood=300000", health={"interval_s": 600})
     d = start_daemon(procs, tmp_path, fake_gpu, {"flood": flood}, default="flood")
     rss0 = psutil.Process(d.proc.pid).memory_info().rss
@@ -252,7 +262,9 @@ def test_slow_stream_reader_does_not_grow_the_daemon(procs, tmp_path: Path, fake
     assert rss1 - rss0 < 40 * 2**20, (rss0, rss1)
 
 
-def test_each_cli_command_against_a_live_daemon(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_each_cli_command_against_a_live_daemon(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d: Daemon = start_daemon(procs, tmp_path, fake_gpu, two_configs(), default="good")
     d.wait_state("ready")
 
@@ -325,7 +337,7 @@ def test_each_cli_command_against_a_live_daemon(procs, tmp_path: Path, fake_gpu:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def test_date_header_stays_current(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_date_header_stays_current(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
     """uvicorn's tick runs once a second here: the Date header must still move with time."""
     from email.utils import parsedate_to_datetime  # noqa: PLC0415
 
@@ -341,8 +353,8 @@ def test_date_header_stays_current(procs, tmp_path: Path, fake_gpu: Path) -> Non
     assert abs(date() - time.time()) <= 2
 
 
-def test_a_swap_begun_during_probation_rolls_back_to_the_config_that_was_serving(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_a_swap_begun_during_probation_rolls_back_to_the_config_that_was_serving(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     """good (last-good) -> other (ready, on probation) -> oom fails: back to other, not good."""
     configs = two_configs(oom=standin_config("--standin-crash-on-load=cuda_oom"))

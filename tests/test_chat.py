@@ -17,8 +17,9 @@ import pytest
 from gpuwarden.daemon.chat import mark, matches_trigger
 from gpuwarden.daemon.sglanglines import parse_line
 from gpuwarden.standin import cli as standin_cli
-from gpuwarden.standin.server import server_args_repr
+from gpuwarden.standin.serverargs import server_args_repr
 
+from .conftest import Proc
 from .daemon_harness import Daemon, standin_config, start_daemon
 
 
@@ -89,7 +90,7 @@ def test_the_server_args_line_is_not_marked_as_an_error() -> None:
     assert mark('  File "/x/scheduler.py", line 3, in run').startswith("  ")
 
 
-def crashed(procs, tmp_path: Path, fake_gpu: Path, **settings: Any) -> Daemon:  # type: ignore[no-untyped-def]
+def crashed(procs: list[Proc], tmp_path: Path, fake_gpu: Path, **settings: Any) -> Daemon:
     secret = standin_config(
         "--standin-crash-on-load=cuda_oom",
         "--api-key=sk-chat-secret-123",
@@ -109,8 +110,8 @@ def crashed(procs, tmp_path: Path, fake_gpu: Path, **settings: Any) -> Daemon:  
 
 
 def test_server_crashed_answers_with_the_reason_and_the_real_traceback(
-    procs, tmp_path: Path, fake_gpu: Path
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = crashed(procs, tmp_path, fake_gpu)
     res = d.http.post("/chat", json={"text": "Server crashed!!", "user": "me"})
     assert res.status_code == 200
@@ -140,7 +141,7 @@ def test_server_crashed_answers_with_the_reason_and_the_real_traceback(
     assert "api_key='***'" in d.http.get("/logs", params={"lines": 500}).text
 
 
-def test_slack_form_curl_d_and_help(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_slack_form_curl_d_and_help(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
     (tmp_path / "token").write_text("bearer-tok\n")
     d = crashed(
         procs, tmp_path, fake_gpu, token_file="./token", chat={"verification_token": "slack-verify"}
@@ -190,7 +191,9 @@ def test_slack_form_curl_d_and_help(procs, tmp_path: Path, fake_gpu: Path) -> No
     assert bad.status_code == 400
 
 
-def test_no_log_because_the_log_dir_is_not_writable(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_no_log_because_the_log_dir_is_not_writable(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     (tmp_path / "afile").write_text("")
     d = start_daemon(
         procs,
@@ -210,7 +213,9 @@ def test_no_log_because_the_log_dir_is_not_writable(procs, tmp_path: Path, fake_
     assert "afile/logs" in text
 
 
-def test_no_log_because_preflight_refused_the_launch(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_no_log_because_preflight_refused_the_launch(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(
         procs, tmp_path, fake_gpu, {"bad": standin_config("--tp-szie=2")}, default="bad"
     )
@@ -223,8 +228,8 @@ def test_no_log_because_preflight_refused_the_launch(procs, tmp_path: Path, fake
 
 
 def test_a_crash_loop_sends_a_bounded_number_of_posts(
-    procs, tmp_path: Path, fake_gpu: Path, receiver: Receiver
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path, receiver: Receiver
+) -> None:
     cfg = standin_config("--standin-crash-on-load=cuda_oom")
     d = start_daemon(
         procs,
@@ -247,7 +252,7 @@ def test_a_crash_loop_sends_a_bounded_number_of_posts(
     assert receiver.url not in json.dumps(d.http.get("/events", params={"limit": 200}).json())
 
 
-def test_dump_when_nothing_ever_ran(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_dump_when_nothing_ever_ran(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
     d = start_daemon(procs, tmp_path, fake_gpu, {"c": standin_config()})
     text = httpx.get(f"{d.url}/dump").text
     assert "state: stopped" in text and "log: no launch has happened yet" in text

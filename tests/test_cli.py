@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from .conftest import PY, free_port
+from .conftest import PY, Proc, free_port
 from .daemon_harness import Daemon, standin_config, start_daemon
 
 
@@ -27,7 +27,9 @@ def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def guarded_daemon(procs, tmp_path: Path, fake_gpu: Path, default: str | None = None) -> Daemon:  # type: ignore[no-untyped-def]
+def guarded_daemon(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path, default: str | None = None
+) -> Daemon:
     (tmp_path / "token").write_text("tok-cli-123\n")
     return start_daemon(
         procs,
@@ -60,8 +62,8 @@ def cli_into_closed_pipe(*args: str | Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_global_flags_work_before_or_after_the_subcommand(
-    procs, tmp_path: Path, fake_gpu: Path
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = guarded_daemon(procs, tmp_path, fake_gpu)
     token, settings = tmp_path / "token", tmp_path / "settings.yaml"
     for argv in (
@@ -90,8 +92,8 @@ def test_global_flags_work_before_or_after_the_subcommand(
 
 
 def test_a_reader_that_stops_reading_ends_every_printing_command_quietly(
-    procs, tmp_path: Path, fake_gpu: Path
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = guarded_daemon(procs, tmp_path, fake_gpu, default="c")
     d.wait_state("ready")
     token, settings = tmp_path / "token", tmp_path / "settings.yaml"

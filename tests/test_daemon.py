@@ -13,8 +13,8 @@ from .daemon_harness import standin_config, start_daemon
 
 
 def test_boot_starts_the_default_config_and_status_shows_it(
-    procs, tmp_path: Path, fake_gpu: Path
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
     ready = d.wait_state("ready")
     assert ready["via"] in ("ready line",) or ready["via"].startswith("GET ")
@@ -34,7 +34,9 @@ def test_boot_starts_the_default_config_and_status_shows_it(
     assert d.http.get("/healthz").json() == {"ok": True}
 
 
-def test_crash_during_load_backs_off_and_relaunches(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_crash_during_load_backs_off_and_relaunches(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     cfg = standin_config("--standin-crash-on-load=cuda_oom")
     d = start_daemon(procs, tmp_path, fake_gpu, {"oom": cfg}, default="oom")
     exit1 = d.wait_event("server.exit", reason="cuda_oom")
@@ -47,8 +49,8 @@ def test_crash_during_load_backs_off_and_relaunches(procs, tmp_path: Path, fake_
 
 
 def test_unknown_flag_is_refused_by_preflight_at_boot(
-    procs, tmp_path: Path, fake_gpu: Path
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(
         procs,
         tmp_path,
@@ -65,8 +67,8 @@ def test_unknown_flag_is_refused_by_preflight_at_boot(
     assert not [r for r in d.records() if r.get("event") == "server.launch"]
 
 
-def test_unknown_flag_without_preflight_fails_at_once_with_the_argparse_line(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_unknown_flag_without_preflight_fails_at_once_with_the_argparse_line(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     cfg = standin_config("--speculative-eagle-top-k=4", preflight={"argv": False})
     d = start_daemon(procs, tmp_path, fake_gpu, {"bad": cfg}, default="bad")
@@ -83,7 +85,9 @@ def test_unknown_flag_without_preflight_fails_at_once_with_the_argparse_line(  #
     assert not [r for r in d.records()[failed["_index"] :] if r.get("event") == "server.launch"]
 
 
-def test_hang_goes_unhealthy_and_is_restarted(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_hang_goes_unhealthy_and_is_restarted(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     cfg = standin_config(
         "--standin-hang-after=0",
         scale=0.02,
@@ -98,7 +102,9 @@ def test_hang_goes_unhealthy_and_is_restarted(procs, tmp_path: Path, fake_gpu: P
     d.wait_event("server.launch", after=ex["_index"])
 
 
-def test_term_ignoring_server_is_killed_after_grace(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_term_ignoring_server_is_killed_after_grace(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(
         procs,
         tmp_path,
@@ -119,8 +125,8 @@ def test_term_ignoring_server_is_killed_after_grace(procs, tmp_path: Path, fake_
 
 
 def test_escaping_grandchild_is_found_and_killed_by_the_sweep(
-    procs, tmp_path: Path, fake_gpu: Path
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(
         procs,
         tmp_path,
@@ -143,7 +149,9 @@ def test_escaping_grandchild_is_found_and_killed_by_the_sweep(
     assert d.status()["last_sweep_killed"]
 
 
-def test_daemon_sigterm_leaves_nothing_and_exits_0(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_daemon_sigterm_leaves_nothing_and_exits_0(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(
         procs, tmp_path, fake_gpu, {"base": standin_config("--tp-size=2")}, default="base"
     )
@@ -158,7 +166,9 @@ def test_daemon_sigterm_leaves_nothing_and_exits_0(procs, tmp_path: Path, fake_g
     assert state["current_launch"] is None
 
 
-def test_busy_port_for_the_daemon_exits_1_naming_it(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_busy_port_for_the_daemon_exits_1_naming_it(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     import socket  # noqa: PLC0415
 
     from .conftest import PY  # noqa: PLC0415
@@ -187,8 +197,8 @@ def test_busy_port_for_the_daemon_exits_1_naming_it(procs, tmp_path: Path, fake_
 
 
 def test_env_null_removes_the_variable_from_the_server_even_from_the_daemon_env(
-    procs, tmp_path: Path, fake_gpu: Path
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     base = standin_config(env={"GW_FROM_PARENT": "parent-value", "GW_KEPT": "kept"})
     child = {"extends": "base", "env": {"GW_FROM_PARENT": None, "GW_FROM_DAEMON": None}}
     d = start_daemon(

@@ -16,8 +16,8 @@ from .daemon_harness import Daemon
 
 
 def test_demo_honours_gpuwarden_listen_prints_the_bound_address_and_a_free_server_port(
-    procs, tmp_path: Path
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path
+) -> None:
     env = {**os.environ, "GPUWARDEN_LISTEN": "127.0.0.1:0", "PYTHONUNBUFFERED": "1"}
     env.pop(fakegpu.ENV_DIR, None)  # the demo makes its own
     root = tmp_path / "demo"

@@ -137,7 +137,9 @@ def test_dockerfile_passes_hadolint() -> None:
         assert text.splitlines()[index - 1].startswith("#"), f"unexplained: {ignore}"
 
 
-def test_sd_notify_ready_status_watchdog_stopping(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_sd_notify_ready_status_watchdog_stopping(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     sock_path = tmp_path / "notify.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(sock_path))

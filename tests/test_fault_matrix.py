@@ -261,11 +261,11 @@ def check_nothing_lost(d: Daemon, root: Path, reason: str, line: str) -> None:
     ("row", "flags", "fields", "reason", "line"), ROWS, ids=[r[0] for r in ROWS]
 )
 def test_stand_in_fault(
-    procs,
+    procs: list[Proc],
     tmp_path: Path,
     fake_gpu: Path,
     row: str,
-    flags: list[str],  # type: ignore[no-untyped-def]
+    flags: list[str],
     fields: dict[str, Any],
     reason: str,
     line: str,
@@ -294,7 +294,7 @@ def test_stand_in_fault(
         wait_until(lambda: streams(d) == 0, 10, "the streams of the closed clients to end")
 
 
-def test_port_in_use(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_port_in_use(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -304,7 +304,9 @@ def test_port_in_use(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ig
         assert "address already in use" in d.status()["last_exit"]["evidence"]
 
 
-def test_disk_full_leaves_supervision_running(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_disk_full_leaves_supervision_running(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     from .daemon_harness import write_setup  # noqa: PLC0415
 
     flood = standin_config("--standin-flood=200000", health={"interval_s": 600})
@@ -329,8 +331,8 @@ def test_disk_full_leaves_supervision_running(procs, tmp_path: Path, fake_gpu: P
 
 
 def test_a_sweep_survives_a_crashing_and_a_refused_config(
-    procs, tmp_path: Path, fake_gpu: Path
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     from .conftest import free_port  # noqa: PLC0415
 
     port = free_port()
@@ -371,7 +373,7 @@ def has_exit(reason: str) -> Callable[[list[dict[str, Any]]], bool]:
     return lambda events: any(e["event"] == "exit" and e.get("reason") == reason for e in events)
 
 
-def test_foreign_gpu_holder(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_foreign_gpu_holder(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
     from .test_fakegpu import start_holder  # noqa: PLC0415
 
     holder = start_holder(procs, fake_gpu, 0, 50000)
@@ -393,7 +395,7 @@ def test_foreign_gpu_holder(procs, tmp_path: Path, fake_gpu: Path) -> None:  # t
     d.wait_state("ready", after=ex["_index"], timeout=30)  # supervision went on
 
 
-def test_log_dir_not_writable(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_log_dir_not_writable(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
     (tmp_path / "afile").write_text("")  # root ignores permissions: a path through a file
     d = start_daemon(
         procs,
@@ -421,7 +423,9 @@ def test_log_dir_not_writable(procs, tmp_path: Path, fake_gpu: Path) -> None:  #
     assert d.proc.popen.poll() is None
 
 
-def test_corrupt_state_file_is_moved_aside(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_corrupt_state_file_is_moved_aside(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "state.json").write_text("{not json")
     d = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
@@ -433,8 +437,8 @@ def test_corrupt_state_file_is_moved_aside(procs, tmp_path: Path, fake_gpu: Path
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
-def test_a_state_file_that_is_not_a_file_is_moved_aside(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path, kind: str
+def test_a_state_file_that_is_not_a_file_is_moved_aside(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path, kind: str
 ) -> None:
     """A FIFO hung the boot (no writer ever comes); /dev/zero never ends: both are refused."""
     (tmp_path / "state").mkdir()
@@ -454,8 +458,8 @@ def test_a_state_file_that_is_not_a_file_is_moved_aside(  # type: ignore[no-unty
     )
 
 
-def test_daemon_sigkill_then_restart_stops_the_old_group_and_resumes(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_daemon_sigkill_then_restart_stops_the_old_group_and_resumes(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     d = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
     d.wait_state("ready")
@@ -480,7 +484,7 @@ def test_daemon_sigkill_then_restart_stops_the_old_group_and_resumes(  # type: i
     )
 
 
-def test_concurrent_swaps_and_a_stop(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_concurrent_swaps_and_a_stop(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
     from .test_api import two_configs  # noqa: PLC0415
 
     configs = two_configs(slow=standin_config(scale=0.5))
@@ -510,8 +514,8 @@ def test_concurrent_swaps_and_a_stop(procs, tmp_path: Path, fake_gpu: Path) -> N
 
 @pytest.mark.parametrize("mode", ["hang", "500"])
 def test_a_bad_webhook_never_delays_the_relaunch(
-    procs, tmp_path: Path, fake_gpu: Path, mode: str
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path, mode: str
+) -> None:
     from .test_chat import Receiver  # noqa: PLC0415
 
     receiver = Receiver(mode)
@@ -542,8 +546,8 @@ def test_a_bad_webhook_never_delays_the_relaunch(
 # -- the supervisor never wedges -------------------------------------------------------------------
 
 
-def test_descriptors_exhausted_in_the_sweep_is_reported_and_supervision_goes_on(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_descriptors_exhausted_in_the_sweep_is_reported_and_supervision_goes_on(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     """With not one descriptor left, a crash's sweep (and the GPU wait, the log, the exec after
     it) fail; each failure is an `internal_error` the machine handles, and once descriptors come
@@ -574,8 +578,8 @@ def test_descriptors_exhausted_in_the_sweep_is_reported_and_supervision_goes_on(
     assert d.status()["internal_errors"] >= 1
 
 
-def test_a_config_that_stops_decoding_during_backoff_fails_with_its_reason(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_a_config_that_stops_decoding_during_backoff_fails_with_its_reason(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     d = start_daemon(
         procs,
@@ -595,8 +599,8 @@ def test_a_config_that_stops_decoding_during_backoff_fails_with_its_reason(  # t
     assert d.status()["next_retry_at"] is None
 
 
-def test_an_undecodable_config_at_boot_is_a_failed_start_with_an_event(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_an_undecodable_config_at_boot_is_a_failed_start_with_an_event(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     write_setup(tmp_path, {"f": standin_config()}, "f")
     (tmp_path / "configs" / "f.yaml").write_bytes(b"args: " + b"[" * 20000 + b"]" * 20000 + b"\n")
@@ -606,8 +610,8 @@ def test_an_undecodable_config_at_boot_is_a_failed_start_with_an_event(  # type:
     d.wait_state("failed")
 
 
-def test_an_alias_bomb_is_refused_while_the_daemon_stays_responsive(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_an_alias_bomb_is_refused_while_the_daemon_stays_responsive(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     from .test_configs import BOMB  # noqa: PLC0415
 
@@ -626,8 +630,8 @@ def test_an_alias_bomb_is_refused_while_the_daemon_stays_responsive(  # type: ig
 # -- writes that fail ------------------------------------------------------------------------------
 
 
-def test_a_full_disk_is_reported_retried_and_the_gap_marked(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_a_full_disk_is_reported_retried_and_the_gap_marked(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     """A file-size limit of one byte on the daemon: no file it writes can grow. The launch log,
     events.jsonl and state.json each report the failure, keep trying and say what is missing
@@ -664,7 +668,9 @@ def test_a_full_disk_is_reported_retried_and_the_gap_marked(  # type: ignore[no-
     assert state["current_launch"]["pid"] == d.status()["pid"]  # current again
 
 
-def test_metrics_count_write_failures_per_target(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_metrics_count_write_failures_per_target(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(procs, tmp_path, fake_gpu, {"f": standin_config()}, default="f")
     d.wait_state("ready")
     text = d.http.get("/metrics").text
@@ -674,8 +680,8 @@ def test_metrics_count_write_failures_per_target(procs, tmp_path: Path, fake_gpu
 # -- what operators rely on is true ------------------------------------------------------------------
 
 
-def test_stop_wins_over_restarts_whose_preflight_finishes_after_it(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_stop_wins_over_restarts_whose_preflight_finishes_after_it(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     """20 concurrent swaps, then a stop while their preflights still run: none of them starts a
     server after the stop. A start sent after the stop works as usual."""
@@ -716,8 +722,8 @@ def test_stop_wins_over_restarts_whose_preflight_finishes_after_it(  # type: ign
     d.wait_state("ready", after=stop_index)
 
 
-def test_a_daemon_killed_mid_swap_resumes_it_as_a_swap(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_a_daemon_killed_mid_swap_resumes_it_as_a_swap(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     from .test_api import two_configs  # noqa: PLC0415
 
@@ -763,8 +769,8 @@ def test_a_daemon_killed_mid_swap_resumes_it_as_a_swap(  # type: ignore[no-untyp
     assert by_id[first]["exit"] is not None
 
 
-def test_a_server_that_ended_while_the_daemon_was_away_gets_its_exit_record(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_a_server_that_ended_while_the_daemon_was_away_gets_its_exit_record(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     d = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
     d.wait_state("ready")
@@ -790,8 +796,8 @@ def test_a_server_that_ended_while_the_daemon_was_away_gets_its_exit_record(  # 
     wait_recorded(tmp_path, "the ended_unobserved exit", has_exit("ended_unobserved"))
 
 
-def test_every_launch_whose_log_exists_is_found_by_its_id(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_every_launch_whose_log_exists_is_found_by_its_id(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     """A launch older than the history state.json keeps (or from a state file since lost) is
     still served by id; an id that is not one is 404, never a path."""
@@ -809,8 +815,8 @@ def test_every_launch_whose_log_exists_is_found_by_its_id(  # type: ignore[no-un
     assert d.http.get("/logs", params={"launch": current}).json()["launch_id"] == current
 
 
-def test_a_dead_detokenizer_ends_the_launch_on_sglangs_line(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_a_dead_detokenizer_ends_the_launch_on_sglangs_line(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     """The stand-in, as SGLang 0.5.23 with its defaults, lingers for 60 s after a child died,
     its port open and requests hanging. The launch ends on SGLang's own line, its group
@@ -843,8 +849,8 @@ def test_a_dead_detokenizer_ends_the_launch_on_sglangs_line(  # type: ignore[no-
     assert d.status()["launch_id"] != first["launch_id"]
 
 
-def test_a_port_taken_while_the_server_loads_is_port_in_use_and_never_ready(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path, foreign_http
+def test_a_port_taken_while_the_server_loads_is_port_in_use_and_never_ready(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path, foreign_http: Callable[[int], Proc]
 ) -> None:
     """Another server takes the port after preflight, while the stand-in loads: its 200s (and
     the stand-in's ready line, printed off the other server's answers) are not this launch's."""

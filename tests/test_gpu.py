@@ -12,12 +12,12 @@ from typing import Any
 from gpuwarden.daemon.gpu import render_gpu_table
 from gpuwarden.daemon.nvml import NvmlBackend
 
-from .conftest import alive, wait_until
+from .conftest import Proc, alive, wait_until
 from .daemon_harness import standin_config, start_daemon
 
 
-def test_our_orphan_from_a_previous_life_is_killed_before_the_launch(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_our_orphan_from_a_previous_life_is_killed_before_the_launch(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     cfg = standin_config("--standin-escape-grandchild=30000")
     d = start_daemon(procs, tmp_path, fake_gpu, {"esc": cfg}, default="esc")
@@ -51,8 +51,8 @@ def test_our_orphan_from_a_previous_life_is_killed_before_the_launch(  # type: i
 
 
 def test_silent_scheduler_death_is_a_lost_rank_and_a_restart(
-    procs, tmp_path: Path, fake_gpu: Path
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     cfg = standin_config("--standin-version=0.5.5", "--standin-silent-death-after=1.5")
     d = start_daemon(procs, tmp_path, fake_gpu, {"zombie": cfg}, default="zombie")
     d.wait_state("ready")
@@ -69,7 +69,9 @@ def test_silent_scheduler_death_is_a_lost_rank_and_a_restart(
     assert len(rank_lost) == 1
 
 
-def test_tp_2_watches_two_ranks_and_nothing_else(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_tp_2_watches_two_ranks_and_nothing_else(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     cfg = standin_config("--tp-size=2", env={"CUDA_VISIBLE_DEVICES": "5,2"})
     d = start_daemon(procs, tmp_path, fake_gpu, {"tp2": cfg}, default="tp2")
     d.wait_state("ready")

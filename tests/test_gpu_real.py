@@ -7,18 +7,23 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from .conftest import Proc, free_port, wait_until
 from .daemon_harness import start_daemon
 
+if TYPE_CHECKING:
+    from gpuwarden.daemon.nvml import NvmlBackend
+
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def nvml():  # type: ignore[no-untyped-def]
+def nvml() -> Iterator[NvmlBackend]:
     try:
         from gpuwarden.daemon.nvml import NvmlBackend  # noqa: PLC0415
 
@@ -37,7 +42,9 @@ HOLD = (
 )
 
 
-def test_nvml_sees_a_torch_holder_by_pid_and_its_release(procs, nvml) -> None:  # type: ignore[no-untyped-def]
+def test_nvml_sees_a_torch_holder_by_pid_and_its_release(
+    procs: list[Proc], nvml: NvmlBackend
+) -> None:
     t0 = time.perf_counter()
     for _ in range(200):
         nvml.snapshot()
@@ -69,8 +76,8 @@ def test_nvml_sees_a_torch_holder_by_pid_and_its_release(procs, nvml) -> None:  
     print(f"memory released {time.perf_counter() - t_kill:.3f} s after SIGKILL")
 
 
-def test_daemon_waits_for_the_memory_and_relaunches_after_a_crash(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, nvml
+def test_daemon_waits_for_the_memory_and_relaunches_after_a_crash(
+    procs: list[Proc], tmp_path: Path, nvml: NvmlBackend
 ) -> None:
     port = free_port()
     server = Path(__file__).with_name("gpu_server.py")

@@ -19,7 +19,7 @@ import pytest
 
 from gpuwarden.daemon.settings import Settings
 
-from .conftest import wait_until
+from .conftest import Proc, wait_until
 from .daemon_harness import Daemon, standin_config, start_daemon
 from .test_api import two_configs
 
@@ -93,7 +93,9 @@ def with_token(root: Path) -> str:
 # 7. Browsers on the host
 
 
-def test_a_foreign_host_is_refused_but_probes_answer(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_foreign_host_is_refused_but_probes_answer(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(
         procs,
         tmp_path,
@@ -124,7 +126,9 @@ def test_a_foreign_host_is_refused_but_probes_answer(procs, tmp_path: Path, fake
         assert d.http.get("/status", headers={"Host": host}).status_code == 403, host
 
 
-def test_cross_site_state_changes_are_refused(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_cross_site_state_changes_are_refused(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(procs, tmp_path, fake_gpu, two_configs(), default="good")
     d.wait_state("ready")
     port = addr(d)[1]
@@ -155,8 +159,8 @@ def test_cross_site_state_changes_are_refused(procs, tmp_path: Path, fake_gpu: P
 
 
 def test_docs_and_openapi_need_the_token_but_probes_do_not(
-    procs, tmp_path: Path, fake_gpu: Path
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(procs, tmp_path, fake_gpu, two_configs(), token_file=with_token(tmp_path))
     for path in ("/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"):
         res = d.http.get(path)
@@ -169,7 +173,7 @@ def test_docs_and_openapi_need_the_token_but_probes_do_not(
     assert d.http.get("/readyz").status_code == 503
 
 
-def test_readyz_is_200_only_while_ready(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_readyz_is_200_only_while_ready(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
     d = start_daemon(procs, tmp_path, fake_gpu, two_configs())
     res = d.http.get("/readyz")
     assert res.status_code == 503
@@ -202,8 +206,8 @@ def test_allowed_hosts_reject_what_is_not_a_host_name() -> None:
 
 
 def test_listening_beyond_loopback_without_a_token_warns(
-    procs, tmp_path: Path, fake_gpu: Path
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(procs, tmp_path, fake_gpu, {}, listen="0.0.0.0:0")
     warning = d.wait_event("api.unauthenticated", timeout=10)
     assert warning["level"] == "warning" and warning["host"] == "0.0.0.0"
@@ -213,7 +217,9 @@ def test_listening_beyond_loopback_without_a_token_warns(
 # 8. Bodies and connections are bounded, and auth comes first
 
 
-def test_auth_is_checked_before_the_body_is_read(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_auth_is_checked_before_the_body_is_read(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(procs, tmp_path, fake_gpu, {}, token_file=with_token(tmp_path))
     for path in ("/chat", "/sweeps"):
         # 1 GiB announced, not a byte of it sent: the answer cannot wait for the body.
@@ -268,7 +274,9 @@ def send_chunks_until_answered(sock: socket.socket, limit: int) -> tuple[int, by
     return status, body
 
 
-def test_a_chunked_body_past_the_limit_gets_413(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_chunked_body_past_the_limit_gets_413(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     limit = 64 * 1024
     d = start_daemon(
         procs,
@@ -330,8 +338,8 @@ def flood(d: Daemon, n: int) -> contextlib.ExitStack:
 
 
 def test_a_flood_of_one_loop_error_is_logged_once_and_counted(
-    procs, tmp_path: Path, fake_gpu: Path
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     # The cap above the descriptor limit, so that accept() itself runs out.
     d = start_daemon(
         procs,
@@ -354,7 +362,7 @@ def test_a_flood_of_one_loop_error_is_logged_once_and_counted(
     wait_until(lambda: served_once(d), 10, "the daemon to answer again")
 
 
-def test_slow_headers_are_cut_off(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_slow_headers_are_cut_off(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
     d = start_daemon(procs, tmp_path, fake_gpu, {}, http={"header_timeout_s": 0.3})
     with connect(d) as sock:  # connects and says nothing
         status, _, body = read_response(sock)
@@ -376,7 +384,7 @@ def test_slow_headers_are_cut_off(procs, tmp_path: Path, fake_gpu: Path) -> None
     assert d.http.get("/healthz").status_code == 200
 
 
-def test_a_slow_body_is_cut_off(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_slow_body_is_cut_off(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
     d = start_daemon(procs, tmp_path, fake_gpu, {}, http={"body_timeout_s": 0.3})
     with connect(d) as sock:
         sock.sendall(
@@ -388,7 +396,9 @@ def test_a_slow_body_is_cut_off(procs, tmp_path: Path, fake_gpu: Path) -> None: 
     assert record["client"].startswith("127.0.0.1:")
 
 
-def test_an_idle_keep_alive_connection_is_closed(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_an_idle_keep_alive_connection_is_closed(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(procs, tmp_path, fake_gpu, {}, http={"keep_alive_s": 0.3})
     with connect(d, timeout=3) as sock:  # uvicorn's own keep-alive is 5 s
         sock.sendall(request_head("GET", "/healthz", d))
@@ -401,8 +411,8 @@ def test_an_idle_keep_alive_connection_is_closed(procs, tmp_path: Path, fake_gpu
 
 
 def test_streams_and_long_waits_outlive_every_timeout(
-    procs, tmp_path: Path, fake_gpu: Path
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     configs = two_configs(slow=standin_config(scale=0.2))
     short = {"header_timeout_s": 0.2, "body_timeout_s": 0.2, "keep_alive_s": 0.2}
     d = start_daemon(procs, tmp_path, fake_gpu, configs, default="good", http=short)
@@ -421,8 +431,8 @@ def test_streams_and_long_waits_outlive_every_timeout(
 
 
 def test_connections_beyond_the_cap_are_refused_at_once(
-    procs, tmp_path: Path, fake_gpu: Path
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(procs, tmp_path, fake_gpu, {}, http={"max_connections": 4, "keep_alive_s": 60})
     with contextlib.ExitStack() as held:
         for _ in range(4):  # each served once, then held open (keep-alive)

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -104,7 +105,7 @@ def test_endpoints_and_local_addresses() -> None:
     assert local_ip("not an address") is None
 
 
-def test_a_holder_that_cannot_be_found_proves_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_holder_that_cannot_be_found_proves_nothing(tmp_path: Path) -> None:
     """A /proc where the socket's holder is invisible (another user's process, a container's
     proxy): "cannot tell", never "not ours"."""
     (tmp_path / "net").mkdir()

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from .conftest import PY, wait_until
+from .conftest import PY, Proc, wait_until
 from .daemon_harness import Daemon, standin_config, start_daemon
 
 # A server that floods numbered lines: it says it is ready, waits for GO, then writes until
@@ -110,8 +110,8 @@ def grown(path: Path, lines: int) -> Any:
     return lambda: path.stat().st_size - start >= lines * 16
 
 
-def test_stalled_streams_that_disconnect_end_at_once_and_the_log_keeps_every_line(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_stalled_streams_that_disconnect_end_at_once_and_the_log_keeps_every_line(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     go, stop = tmp_path / "go", tmp_path / "stop"
     d = start_daemon(procs, tmp_path, fake_gpu, {"flood": flood_config(go, stop)}, default="flood")
@@ -136,8 +136,8 @@ def test_stalled_streams_that_disconnect_end_at_once_and_the_log_keeps_every_lin
     assert "gpuwarden_log_streams 0.0" in text
 
 
-def test_a_slow_reader_is_told_how_many_lines_it_lost_then_gets_the_current_ones(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_a_slow_reader_is_told_how_many_lines_it_lost_then_gets_the_current_ones(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     go = tmp_path / "go"
     n = 500_000  # far more than the reader's socket buffers and the ring hold together
@@ -183,8 +183,8 @@ def test_a_slow_reader_is_told_how_many_lines_it_lost_then_gets_the_current_ones
     wait_until(lambda: streams(d) == 0, 10, "the stream to end with its client")
 
 
-def test_a_client_that_stops_reading_is_dropped_after_send_timeout(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_a_client_that_stops_reading_is_dropped_after_send_timeout(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     go, stop = tmp_path / "go", tmp_path / "stop"
     d = start_daemon(
@@ -217,7 +217,9 @@ def test_a_client_that_stops_reading_is_dropped_after_send_timeout(  # type: ign
     assert d.status()["state"] == "ready"
 
 
-def test_a_stream_follows_the_next_launch(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_stream_follows_the_next_launch(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(procs, tmp_path, fake_gpu, {"s": standin_config()}, default="s")
     d.wait_state("ready")
     first = d.status()["launch_id"]

@@ -16,7 +16,7 @@ from gpuwarden.daemon.configs import SGLANG_DEFAULT_PORT, ConfigStore
 from gpuwarden.daemon.preflight import Preflight, check_port
 from gpuwarden.daemon.serverparser import ServerParsers
 
-from .conftest import alive, wait_until
+from .conftest import Proc, alive, wait_until
 from .daemon_harness import start_daemon
 
 PY = sys.executable
@@ -35,8 +35,8 @@ async def test_a_cancelled_introspection_leaves_no_process(tmp_path: Path) -> No
     assert not alive(pid)
 
 
-def test_preflight_never_runs_a_program_it_does_not_know(  # type: ignore[no-untyped-def]
-    procs, tmp_path: Path, fake_gpu: Path
+def test_preflight_never_runs_a_program_it_does_not_know(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     ran = tmp_path / "ran.txt"
     script = tmp_path / "server.py"

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuwarden.daemon.argspec import OptionSpec, add_specs
 from gpuwarden.daemon.configs import ConfigStore
 from gpuwarden.daemon.redact import (
     MASK,
@@ -19,8 +18,9 @@ from gpuwarden.daemon.redact import (
     secret_values,
     sglang_option_strings,
 )
+from gpuwarden.standin.argspec import OptionSpec, add_specs
 
-from .conftest import PY
+from .conftest import PY, Proc
 from .daemon_harness import standin_config, start_daemon
 from .test_chat import Receiver
 
@@ -195,8 +195,8 @@ def test_view_masks_abbreviated_args_and_flags_inside_command(tmp_path: Path) ->
 
 @pytest.mark.timeout(120)
 def test_abbreviated_and_command_secrets_never_leave_the_daemon(
-    procs, tmp_path: Path, fake_gpu: Path
-) -> None:  # type: ignore[no-untyped-def]
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     abbrev, embedded = "sk-abbrev-secret-7f3a", "adm-embedded-secret-91c2"
     cfg = standin_config(f"--api-k={abbrev}", "--standin-crash-after=0.3")
     cfg["command"] = [*STANDIN, f"--admin-api-key={embedded}"]

@@ -12,10 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .conftest import Proc
 from .daemon_harness import standin_config, start_daemon
 
 
-def test_api_conforms_to_its_own_openapi(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_api_conforms_to_its_own_openapi(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
     d = start_daemon(
         procs, tmp_path, fake_gpu, {"a": standin_config(), "b": standin_config()}, default="a"
     )

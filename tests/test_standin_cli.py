@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from gpuwarden.daemon.argspec import option_strings, parse_help
+from gpuwarden.standin.argspec import option_strings, parse_help
 from gpuwarden.standin.versions import VERSIONS
 
 from .conftest import PY, Proc
@@ -60,13 +61,13 @@ def test_misspelled_topk_is_unrecognized_in_0_5_23() -> None:
 
 
 @pytest.mark.parametrize("version", ["0.4.10", "0.5.5", "0.5.12"])
-def test_cuda_graph_max_bs_exists_up_to_0_5_12(standin, version: str) -> None:  # type: ignore[no-untyped-def]
+def test_cuda_graph_max_bs_exists_up_to_0_5_12(standin: Callable[..., Proc], version: str) -> None:
     proc: Proc = standin("--cuda-graph-max-bs", "8", version=version)
     proc.wait_for(r"server_args=ServerArgs\(.*cuda_graph_max_bs=8")
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_abbreviations_are_accepted(standin, version: str) -> None:  # type: ignore[no-untyped-def]
+def test_abbreviations_are_accepted(standin: Callable[..., Proc], version: str) -> None:
     proc: Proc = standin("--tp", "2", "--mem-frac", "0.7", version=version)
     m = proc.wait_for(r"server_args=ServerArgs\(.*")
     assert "tp_size=2" in m.group(0)
@@ -104,7 +105,7 @@ def test_old_versions_print_launch_server_prog_in_help(version: str) -> None:
     assert res.stdout.startswith("usage: launch_server.py")
 
 
-def test_config_file_is_merged_and_cli_wins(standin, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_config_file_is_merged_and_cli_wins(standin: Callable[..., Proc], tmp_path: Path) -> None:
     cfg = tmp_path / "server.yaml"
     cfg.write_text("tensor-parallel-size: 2\nenable-metrics: true\nmem-fraction-static: 0.6\n")
     proc: Proc = standin("--config", str(cfg), "--mem-fraction-static", "0.75")

@@ -8,6 +8,7 @@ import signal
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -35,7 +36,9 @@ LOAD_CRASH_LINES = {
 
 
 @pytest.mark.parametrize("kind", sorted(LOAD_CRASH_LINES))
-def test_crash_during_load_goes_through_sigquit_to_minus_9(standin, kind: str) -> None:  # type: ignore[no-untyped-def]
+def test_crash_during_load_goes_through_sigquit_to_minus_9(
+    standin: Callable[..., Proc], kind: str
+) -> None:
     proc: Proc = standin("--standin-crash-on-load", kind, "--tp-size", "2")
     proc.wait_for(
         r"\[[\d\- :]+ TP\d\] Scheduler hit an exception: Traceback \(most recent call last\):"
@@ -51,7 +54,9 @@ def test_crash_during_load_goes_through_sigquit_to_minus_9(standin, kind: str) -
     assert "fired up" not in proc.text()
 
 
-def test_a_busy_fake_gpu_makes_the_load_oom(standin, procs, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_busy_fake_gpu_makes_the_load_oom(
+    standin: Callable[..., Proc], procs: list[Proc], fake_gpu: Path
+) -> None:
     from .test_fakegpu import start_holder  # noqa: PLC0415
 
     start_holder(procs, fake_gpu, 0, 120000)
@@ -61,7 +66,7 @@ def test_a_busy_fake_gpu_makes_the_load_oom(standin, procs, fake_gpu: Path) -> N
     assert proc.wait(20) == -signal.SIGKILL
 
 
-def test_scheduler_crash_after_ready(standin) -> None:  # type: ignore[no-untyped-def]
+def test_scheduler_crash_after_ready(standin: Callable[..., Proc]) -> None:
     proc: Proc = standin("--standin-crash-after", "0.2")
     proc.wait_for("fired up and ready")
     proc.wait_for(r"Scheduler hit an exception: Traceback")
@@ -74,7 +79,7 @@ def test_scheduler_crash_after_ready(standin) -> None:  # type: ignore[no-untype
     assert proc.wait(20) == -signal.SIGKILL
 
 
-def test_silent_scheduler_death_is_unnoticed_by_0_5_5(standin) -> None:  # type: ignore[no-untyped-def]
+def test_silent_scheduler_death_is_unnoticed_by_0_5_5(standin: Callable[..., Proc]) -> None:
     proc: Proc = standin("--standin-silent-death-after", "0", version="0.5.5", scale=0.05)
     proc.wait_for("fired up and ready")
     # /proc/PID/comm ("sglang::schedul", set by setproctitle) stays readable for a zombie.
@@ -94,7 +99,9 @@ def test_silent_scheduler_death_is_unnoticed_by_0_5_5(standin) -> None:  # type:
 
 
 @pytest.mark.parametrize("version", ["0.5.12", "0.5.23"])
-def test_silent_scheduler_death_is_caught_by_the_subprocess_watchdog(standin, version: str) -> None:  # type: ignore[no-untyped-def]
+def test_silent_scheduler_death_is_caught_by_the_subprocess_watchdog(
+    standin: Callable[..., Proc], version: str
+) -> None:
     proc: Proc = standin("--standin-silent-death-after", "0.1", version=version)
     proc.wait_for("fired up and ready")
     proc.wait_for(
@@ -115,7 +122,9 @@ def test_silent_scheduler_death_is_caught_by_the_subprocess_watchdog(standin, ve
         ),
     ],
 )
-def test_watchdog_timeout_on_every_rank_then_minus_9(standin, version: str, line: str) -> None:  # type: ignore[no-untyped-def]
+def test_watchdog_timeout_on_every_rank_then_minus_9(
+    standin: Callable[..., Proc], version: str, line: str
+) -> None:
     # The hung schedulers are alive: 0.5.23 would wait 60 s for CUDA coredumps first.
     no_wait = {"SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS": "0"}
     proc: Proc = standin(
@@ -130,8 +139,8 @@ def test_watchdog_timeout_on_every_rank_then_minus_9(standin, version: str, line
 
 @pytest.mark.parametrize(("version", "rc"), [("0.5.23", 3), ("0.5.5", 1)])
 def test_port_in_use_is_noticed_only_after_loading(
-    standin, foreign_http, version: str, rc: int
-) -> None:  # type: ignore[no-untyped-def]
+    standin: Callable[..., Proc], foreign_http: Callable[[int], Proc], version: str, rc: int
+) -> None:
     port = free_port()
     foreign_http(port)  # another server answers on the port
     proc: Proc = standin(version=version, port=port)
@@ -153,7 +162,9 @@ def _detokenizer(proc: Proc) -> psutil.Process:
     )
 
 
-def test_a_dead_detokenizer_leaves_the_port_open_and_requests_hanging(standin) -> None:  # type: ignore[no-untyped-def]
+def test_a_dead_detokenizer_leaves_the_port_open_and_requests_hanging(
+    standin: Callable[..., Proc],
+) -> None:
     """0.5.23 with its defaults: a scheduler is still alive, so after 5 s of settling and a
     py-spy attempt it waits 60 s for CUDA coredumps; its loop is blocked the while."""
     proc: Proc = standin()
@@ -176,7 +187,9 @@ def test_a_dead_detokenizer_leaves_the_port_open_and_requests_hanging(standin) -
     assert proc.popen.poll() is None
 
 
-def test_with_crash_diagnostics_off_a_dead_child_ends_the_server_at_once(standin) -> None:  # type: ignore[no-untyped-def]
+def test_with_crash_diagnostics_off_a_dead_child_ends_the_server_at_once(
+    standin: Callable[..., Proc],
+) -> None:
     off = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
     proc: Proc = standin(env=off)
     proc.wait_for("fired up and ready")
@@ -186,7 +199,7 @@ def test_with_crash_diagnostics_off_a_dead_child_ends_the_server_at_once(standin
     assert "Sleeping 5 seconds" not in proc.text()
 
 
-def test_hang_times_out_health_and_stalls_requests(standin) -> None:  # type: ignore[no-untyped-def]
+def test_hang_times_out_health_and_stalls_requests(standin: Callable[..., Proc]) -> None:
     proc: Proc = standin("--standin-hang-after", "0", scale=0.05)
     proc.wait_for("fired up and ready")
     with pytest.raises(httpx.ReadTimeout):
@@ -200,7 +213,7 @@ def test_hang_times_out_health_and_stalls_requests(standin) -> None:  # type: ig
     assert proc.popen.poll() is None
 
 
-def test_main_ignoring_sigterm_keeps_serving(standin) -> None:  # type: ignore[no-untyped-def]
+def test_main_ignoring_sigterm_keeps_serving(standin: Callable[..., Proc]) -> None:
     proc: Proc = standin("--standin-ignore-sigterm")
     proc.wait_for("fired up and ready")
     proc.signal(signal.SIGTERM)
@@ -211,7 +224,9 @@ def test_main_ignoring_sigterm_keeps_serving(standin) -> None:  # type: ignore[n
     assert "SIGTERM received" not in proc.text()
 
 
-def test_escaping_grandchild_keeps_holding_gpu_memory(standin, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_escaping_grandchild_keeps_holding_gpu_memory(
+    standin: Callable[..., Proc], fake_gpu: Path
+) -> None:
     proc: Proc = standin("--standin-escape-grandchild", "30000")
     m = proc.wait_for(r"escapee pid=(\d+) holds 30000 MiB on GPU 0 \(setsid, ignores SIGTERM\)")
     escapee = int(m.group(1))
@@ -236,7 +251,9 @@ def test_escaping_grandchild_keeps_holding_gpu_memory(standin, fake_gpu: Path) -
             os.kill(escapee, signal.SIGKILL)
 
 
-def test_output_faults_flood_invalid_utf8_long_line_progress_bars(standin) -> None:  # type: ignore[no-untyped-def]
+def test_output_faults_flood_invalid_utf8_long_line_progress_bars(
+    standin: Callable[..., Proc],
+) -> None:
     proc: Proc = standin(
         "--standin-flood",
         "20000",
@@ -297,7 +314,7 @@ def measure_stream(proc: Proc, max_tokens: int) -> tuple[float, int]:
 
 
 @pytest.mark.parametrize("name", sorted(SEED_TABLE))
-def test_speculative_numbers_follow_the_seed_table(standin, name: str) -> None:  # type: ignore[no-untyped-def]
+def test_speculative_numbers_follow_the_seed_table(standin: Callable[..., Proc], name: str) -> None:
     flags, seed_tok_s, seed_accept = SEED_TABLE[name]
     args = [*flags, "--decode-log-interval", "20", "--standin-seed", "7"]
     if seed_accept is not None:
@@ -337,7 +354,7 @@ def test_model_matches_the_seed_table_exactly_in_expectation() -> None:
             assert 2.0 <= model.expected_accept_len() <= 2.4
 
 
-def test_auto_chosen_and_topk_1_rules(standin) -> None:  # type: ignore[no-untyped-def]
+def test_auto_chosen_and_topk_1_rules(standin: Callable[..., Proc]) -> None:
     proc: Proc = standin(
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d"
     )

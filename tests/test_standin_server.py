@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -39,7 +40,7 @@ def url(proc: Proc, path: str) -> str:
     return f"http://127.0.0.1:{proc.port}{path}"  # type: ignore[attr-defined]
 
 
-def test_startup_lines_in_sglang_order(standin) -> None:  # type: ignore[no-untyped-def]
+def test_startup_lines_in_sglang_order(standin: Callable[..., Proc]) -> None:
     proc: Proc = standin()
     last = -1
     for pattern in STARTUP_ORDER:
@@ -53,7 +54,7 @@ def test_startup_lines_in_sglang_order(standin) -> None:  # type: ignore[no-unty
     assert '"POST /generate HTTP/1.1" 200 OK' in proc.text("stdout")
 
 
-def test_tp_prefix_and_one_scheduler_per_rank(standin) -> None:  # type: ignore[no-untyped-def]
+def test_tp_prefix_and_one_scheduler_per_rank(standin: Callable[..., Proc]) -> None:
     proc: Proc = standin("--tp-size", "4", version="0.5.5")
     proc.wait_for("fired up and ready")
     for rank in range(4):
@@ -74,7 +75,7 @@ def test_tp_prefix_and_one_scheduler_per_rank(standin) -> None:  # type: ignore[
     ]
 
 
-def test_port_refused_then_503_then_200(standin) -> None:  # type: ignore[no-untyped-def]
+def test_port_refused_then_503_then_200(standin: Callable[..., Proc]) -> None:
     proc: Proc = standin(scale=0.3)
     proc.wait_for("server_args=")
     with pytest.raises(httpx.ConnectError):
@@ -86,7 +87,7 @@ def test_port_refused_then_503_then_200(standin) -> None:  # type: ignore[no-unt
     assert httpx.get(url(proc, "/health_generate"), timeout=5).status_code == 200
 
 
-def test_endpoints_answer_like_sglang(standin) -> None:  # type: ignore[no-untyped-def]
+def test_endpoints_answer_like_sglang(standin: Callable[..., Proc]) -> None:
     proc: Proc = standin("--served-model-name", "kimi")
     proc.wait_for("fired up and ready")
     models = httpx.get(url(proc, "/v1/models")).json()
@@ -105,7 +106,7 @@ def test_endpoints_answer_like_sglang(standin) -> None:  # type: ignore[no-untyp
     assert httpx.get(url(proc, "/metrics")).status_code == 404  # without --enable-metrics
 
 
-def test_api_key_guards_all_but_health(standin) -> None:  # type: ignore[no-untyped-def]
+def test_api_key_guards_all_but_health(standin: Callable[..., Proc]) -> None:
     proc: Proc = standin("--api-key", "sk-secret-1")
     proc.wait_for("fired up and ready")
     assert "api_key='sk-secret-1'" in proc.text()  # SGLang prints it, secrets and all
@@ -133,7 +134,7 @@ def stream_chat(proc: Proc, max_tokens: int) -> tuple[int, list[str]]:
         return res.status_code, pieces
 
 
-def test_decode_batch_lines_with_accept_len_under_load(standin) -> None:  # type: ignore[no-untyped-def]
+def test_decode_batch_lines_with_accept_len_under_load(standin: Callable[..., Proc]) -> None:
     proc: Proc = standin(
         "--speculative-algorithm",
         "EAGLE3",
@@ -157,7 +158,7 @@ def test_decode_batch_lines_with_accept_len_under_load(standin) -> None:  # type
     assert info["internal_states"][0]["avg_spec_accept_length"] > 1.0
 
 
-def test_no_accept_len_without_speculation(standin) -> None:  # type: ignore[no-untyped-def]
+def test_no_accept_len_without_speculation(standin: Callable[..., Proc]) -> None:
     proc: Proc = standin("--decode-log-interval", "5")
     proc.wait_for("fired up and ready")
     stream_chat(proc, 20)
@@ -167,8 +168,8 @@ def test_no_accept_len_without_speculation(standin) -> None:  # type: ignore[no-
 
 
 @pytest.mark.parametrize(("version", "rc"), [("0.5.23", 0), ("0.5.12", -9), ("0.5.5", -9)])
-def test_sigterm_while_serving_drains_then_ends_as_the_version_does(  # type: ignore[no-untyped-def]
-    standin, version: str, rc: int
+def test_sigterm_while_serving_drains_then_ends_as_the_version_does(
+    standin: Callable[..., Proc], version: str, rc: int
 ) -> None:
     proc: Proc = standin("--decode-log-interval", "10", version=version, scale=0.05)
     proc.wait_for("fired up and ready")
@@ -186,15 +187,15 @@ def test_sigterm_while_serving_drains_then_ends_as_the_version_does(  # type: ig
     assert proc.wait(20) == rc
 
 
-def test_sigterm_while_loading_dies_at_once(standin) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_while_loading_dies_at_once(standin: Callable[..., Proc]) -> None:
     proc: Proc = standin(scale=1.0)
     proc.wait_for("Load weight begin")
     proc.signal(signal.SIGTERM)
     assert proc.wait(10) == -signal.SIGTERM
 
 
-def test_parent_sigkill_leaves_no_scheduler_once_parent_death_is_armed(  # type: ignore[no-untyped-def]
-    standin, fake_gpu: Path
+def test_parent_sigkill_leaves_no_scheduler_once_parent_death_is_armed(
+    standin: Callable[..., Proc], fake_gpu: Path
 ) -> None:
     proc: Proc = standin("--tp-size", "2")
     proc.wait_for("fired up and ready")
@@ -205,7 +206,9 @@ def test_parent_sigkill_leaves_no_scheduler_once_parent_death_is_armed(  # type:
     wait_until(lambda: not any(alive(c.pid) for c in children), 10, "schedulers to die")
 
 
-def test_schedulers_are_fake_gpu_holders_until_they_die(standin, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_schedulers_are_fake_gpu_holders_until_they_die(
+    standin: Callable[..., Proc], fake_gpu: Path
+) -> None:
     proc: Proc = standin("--tp-size", "2", env={"CUDA_VISIBLE_DEVICES": "3,GPU-fake-5"})
     proc.wait_for("fired up and ready")
     reader = fakegpu.FakeGpuReader(fake_gpu)

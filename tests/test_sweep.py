@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from .conftest import PY, free_port
+from .conftest import PY, Proc, free_port
 from .daemon_harness import standin_config, start_daemon
 
 EAGLE = [
@@ -37,7 +37,9 @@ def configs(port: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-def test_a_sweep_runs_unattended_and_answers(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_sweep_runs_unattended_and_answers(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
     d = start_daemon(
         procs,
         tmp_path,
@@ -86,7 +88,7 @@ def test_a_sweep_runs_unattended_and_answers(procs, tmp_path: Path, fake_gpu: Pa
     assert (tmp_path / "state" / "sweeps" / sid / "chart.png").exists()
 
 
-def test_cli_sweep_and_cancel_restores(procs, tmp_path: Path, fake_gpu: Path) -> None:  # type: ignore[no-untyped-def]
+def test_cli_sweep_and_cancel_restores(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
     port = free_port()
     cfgs = configs(port)
     d = start_daemon(

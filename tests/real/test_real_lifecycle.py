@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import alive, free_port, wait_until
+from tests.conftest import Proc, alive, free_port, wait_until
 
 from .conftest import STARTUP_S, DaemonFactory, sglang_config
 
@@ -36,8 +37,8 @@ def test_the_daemons_sigterm_stops_sglang_gracefully_and_leaves_nothing(
 
 
 def test_a_port_taken_while_sglang_loads_is_port_in_use_never_ready(
-    real_daemon: DaemonFactory, sglang_env: Path, foreign_http
-) -> None:  # type: ignore[no-untyped-def]
+    real_daemon: DaemonFactory, sglang_env: Path, foreign_http: Callable[[int], Proc]
+) -> None:
     """SGLang binds only after loading, and prints its ready line when its warm-up reached
     whatever answers on the port: the daemon checks who holds the socket."""
     port = free_port()

@@ -8,7 +8,8 @@ One representation (`OptionSpec`) serves three purposes:
 * building an equivalent parser from a list of specs, so that a config's argv can be checked
   with the server's own rules (abbreviations, nargs, choices) without starting the server.
 
-Stdlib only: the stand-in imports this in its main process.
+Stdlib only: the stand-in imports this in its main process, and the daemon's preflight and
+redactor take it from the stand-in, the layer below them.
 """
 
 from __future__ import annotations

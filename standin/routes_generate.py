@@ -1,0 +1,199 @@
+"""The stand-in's generation routes: SGLang's ``/generate``, OpenAI's chat and completions.
+
+Each request goes to rank 0's batch loop through the engine client and is answered whole or as
+server-sent events (``stream``), with the usage counts SGLang reports (on a stream only when
+``stream_options.include_usage`` asks). The text is filler words; the token counts and the
+pacing are what a supervisor or a benchmark observes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .drain import on_first_request
+from .engine import token_text
+
+if TYPE_CHECKING:
+    from .server import StandinServer
+
+
+async def read_json(request: Request) -> dict[str, Any] | Response:
+    try:
+        body = await request.json()
+    except ValueError:
+        return JSONResponse({"error": "invalid JSON body"}, status_code=400)
+    if not isinstance(body, dict):
+        return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
+    return body
+
+
+def sse(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        async for item in items:
+            yield b"data: " + json.dumps(item).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def generate_routes(server: StandinServer) -> list[Route]:
+    async def generate(request: Request) -> Response:
+        body = await read_json(request)
+        if isinstance(body, Response):
+            return body
+        on_first_request(server)
+        assert server.engine is not None
+        params = body.get("sampling_params") or {}
+        max_new = int(params.get("max_new_tokens", 128))
+        prompt = body.get("text") or ""
+        prompt_tokens = len(body.get("input_ids") or []) or max(1, len(str(prompt).split()))
+        rid = uuid.uuid4().hex
+
+        async def run() -> AsyncIterator[dict[str, Any]]:
+            done = 0
+            text = ""
+            tic = time.monotonic()
+            async for n in server.engine.generate(prompt_tokens, max_new):  # type: ignore[union-attr]
+                text += token_text(done, n)
+                done += n
+                yield {
+                    "text": text,
+                    "meta_info": {
+                        "id": rid,
+                        "finish_reason": (
+                            {"type": "length", "length": done} if done >= max_new else None
+                        ),
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": done,
+                        "cached_tokens": 0,
+                        "e2e_latency": time.monotonic() - tic,
+                    },
+                }
+
+        if body.get("stream"):
+            return sse(run())
+        last: dict[str, Any] = {}
+        async for item in run():
+            last = item
+        return JSONResponse(last)
+
+    async def chat_completions(request: Request) -> Response:
+        body = await read_json(request)
+        if isinstance(body, Response):
+            return body
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return JSONResponse(
+                {
+                    "object": "error",
+                    "message": "messages must be a non-empty list",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 400,
+                },
+                status_code=400,
+            )
+        on_first_request(server)
+        prompt_tokens = sum(
+            len(str(m.get("content", "")).split()) + 4 for m in messages if isinstance(m, dict)
+        )
+        max_new = int(body.get("max_completion_tokens") or body.get("max_tokens") or 128)
+        return await openai_response(body, prompt_tokens, max_new, chat=True)
+
+    async def completions(request: Request) -> Response:
+        body = await read_json(request)
+        if isinstance(body, Response):
+            return body
+        on_first_request(server)
+        prompt_tokens = max(1, len(str(body.get("prompt", "")).split()))
+        max_new = int(body.get("max_tokens") or 16)
+        return await openai_response(body, prompt_tokens, max_new, chat=False)
+
+    async def openai_response(
+        body: dict[str, Any], prompt_tokens: int, max_new: int, chat: bool
+    ) -> Response:
+        assert server.engine is not None
+        cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        model = body.get("model") or server.model_name
+        obj = "chat.completion" if chat else "text_completion"
+        usage_requested = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        def usage(done: int) -> dict[str, int]:
+            return {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": done,
+                "total_tokens": prompt_tokens + done,
+            }
+
+        if body.get("stream"):
+
+            async def chunks() -> AsyncIterator[dict[str, Any]]:
+                done = 0
+                first = True
+                async for n in server.engine.generate(prompt_tokens, max_new):  # type: ignore[union-attr]
+                    piece = token_text(done, n)
+                    done += n
+                    finish = "length" if done >= max_new else None
+                    if chat:
+                        delta: dict[str, Any] = {"content": piece}
+                        if first:
+                            delta["role"] = "assistant"
+                        choice: dict[str, Any] = {"index": 0, "delta": delta}
+                    else:
+                        choice = {"index": 0, "text": piece}
+                    choice["finish_reason"] = finish
+                    first = False
+                    yield {
+                        "id": cid,
+                        "object": obj + (".chunk" if chat else ""),
+                        "created": created,
+                        "model": model,
+                        "choices": [choice],
+                    }
+                if usage_requested:
+                    yield {
+                        "id": cid,
+                        "object": obj + (".chunk" if chat else ""),
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": usage(done),
+                    }
+
+            return sse(chunks())
+        done = 0
+        text = ""
+        async for n in server.engine.generate(prompt_tokens, max_new):
+            text += token_text(done, n)
+            done += n
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text}}
+            if chat
+            else {"index": 0, "text": text}
+        )
+        choice["finish_reason"] = "length"
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": [choice],
+                "usage": usage(done),
+            }
+        )
+
+    return [
+        Route("/generate", generate, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
