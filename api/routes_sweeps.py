@@ -11,7 +11,8 @@ from pydantic import BaseModel, Field
 from gpuwarden.api.models import ConfigItem, SweepId, errors
 from gpuwarden.daemon.errors import CommandError
 from gpuwarden.daemon.load import LoadSpec
-from gpuwarden.daemon.sweep import Sweep, SweepManager
+from gpuwarden.daemon.sweep import SweepManager
+from gpuwarden.daemon.sweepreport import Sweep
 
 router = APIRouter(tags=["sweeps"])
 
