@@ -8,7 +8,6 @@ tuple holds entries that are replaced, never changed, when a launch ends).
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -118,6 +117,7 @@ def status(
     snap: Snapshot,
     *,
     now_mono: float,
+    real_mono: float,
     our_pids: frozenset[int],
     gpu_backend: str,
     sweep: dict[str, Any] | None,
@@ -164,7 +164,7 @@ def status(
         "gpus": gpus,
         "gpu_backend": gpu_backend,
         "gpu_error": snap.gpu_snapshot.error,
-        "gpu_snapshot_age_s": round(max(0.0, time.monotonic() - snap.gpu_snapshot.taken_at), 3),
+        "gpu_snapshot_age_s": round(max(0.0, real_mono - snap.gpu_snapshot.taken_at), 3),
         "gpu_pids_unresolved": snap.gpu_pids_unresolved,
         "server_metrics": dict(snap.server_metrics) or None,
         "write_errors": dict(snap.write_errors),
