@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from . import errors
 from .configschema import ServerConfig, build_argv
 from .redact import MASK, ArgvSecrets, argv_secrets, redact_env, secret_values
 from .safefile import YamlLimit, load_yaml, read_regular_text
@@ -29,17 +30,20 @@ SGLANG_DEFAULT_PORT = 30000
 
 
 class ConfigError(Exception):
-    """A config that cannot be used. `status` is the HTTP status it maps to."""
+    """A config that cannot be used; `kind` is the refusal it makes of a command that names it
+    (`errors.INVALID_CONFIG`, `NOT_FOUND` or `BAD_REQUEST` for a bad name)."""
 
-    def __init__(self, message: str, status: int = 422, path: Path | None = None) -> None:
+    def __init__(
+        self, message: str, kind: str = errors.INVALID_CONFIG, path: Path | None = None
+    ) -> None:
         super().__init__(message)
-        self.status = status
+        self.kind = kind
         self.path = path
 
 
 class ConfigNotFound(ConfigError):
     def __init__(self, message: str) -> None:
-        super().__init__(message, status=404)
+        super().__init__(message, kind=errors.NOT_FOUND)
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -202,7 +206,8 @@ class ConfigStore:
         """The file of a config name; bad names are 400, missing ones 404."""
         if not NAME_RE.match(name):
             raise ConfigError(
-                f"invalid config name {name!r}: must match {NAME_RE.pattern}", status=400
+                f"invalid config name {name!r}: must match {NAME_RE.pattern}",
+                kind=errors.BAD_REQUEST,
             )
         root = self.folder.resolve()
         for suffix in (".yaml", ".yml"):
@@ -211,7 +216,8 @@ class ConfigStore:
                 real = candidate.resolve()
                 if root not in real.parents:
                     raise ConfigError(
-                        f"config {name!r} is a link that leaves {self.folder}", status=400
+                        f"config {name!r} is a link that leaves {self.folder}",
+                        kind=errors.BAD_REQUEST,
                     )
                 return candidate
         raise ConfigNotFound(f"unknown config {name!r}: no {self.folder / name}.yaml")

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .configs import ConfigError
+if TYPE_CHECKING:
+    from .configs import ConfigError
 
 # The kinds a command can be refused with.
 BAD_REQUEST = "bad_request"  # nothing to act on (no config named, none running, no default)
@@ -27,5 +28,4 @@ class CommandError(Exception):
 
 def config_refusal(exc: ConfigError) -> CommandError:
     """A config that cannot be used, as a refusal of the command that named it."""
-    kind = {404: NOT_FOUND, 400: BAD_REQUEST}.get(exc.status, INVALID_CONFIG)
-    return CommandError(kind, str(exc))
+    return CommandError(exc.kind, str(exc))

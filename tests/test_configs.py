@@ -127,10 +127,10 @@ def test_names_are_validated_and_cannot_leave_the_folder(tmp_path: Path) -> None
     for bad in ("../../etc/passwd", "a/b", ".hidden", "", "x" * 65):
         with pytest.raises(ConfigError) as exc:
             s.load(bad)
-        assert exc.value.status == 400
+        assert exc.value.kind == "bad_request"
     with pytest.raises(ConfigError, match="leaves") as exc2:
         s.load("link")
-    assert exc2.value.status == 400
+    assert exc2.value.kind == "bad_request"
     with pytest.raises(ConfigNotFound):
         s.load("absent")
 
