@@ -83,7 +83,7 @@ async def stop_previous_life(
     return alive
 
 
-async def start(sup: Supervisor, name: str, ticket: int, rollback: str | None) -> None:
+async def boot_start(sup: Supervisor, name: str, ticket: int, rollback: str | None) -> None:
     """The boot's start: the preflight gates it too, run off the owner; then it is posted
     like any start (a stop asked for meanwhile wins: its `ticket` is older)."""
     cfg: ResolvedConfig | None = None

@@ -1,10 +1,8 @@
-"""The machine: every decision about the server's lifecycle and every change of its state.
+"""The machine: every decision about the server's lifecycle, top to bottom.
 
-`handle(msg)` takes one inbox message and decides, synchronously: no awaits, no processes,
-files or clocks of its own (time comes from the injected clock). What it decides to do leaves
-through the host (`host.py`), which runs it and posts the outcome back as a later message. It
-is the only writer of the state (checked against `TRANSITIONS`) and of a swap's phase (checked
-against `PHASES`); each site says `# FROM -> TO`.
+`handle(msg)` (in `books.py`, with the one writer of the state and of a swap's phase) decides
+on one message synchronously: no awaits, processes, files or clocks of its own. What it decides
+leaves through the host (`host.py`), whose tasks post outcomes back; sites say `# FROM -> TO`.
 
 A crash, read top to bottom: `ChildExited` (`# READY -> STOPPING`, host.sweep) → `SweepDone`
 (classify, record, the restart policy: `# STOPPING -> BACKOFF`, host.retry_after) →
@@ -466,8 +464,10 @@ class Machine(Books):
                 # Degrade: the exit is handled without the sweep (leftovers may remain; the
                 # next launch's GPU wait still finds and kills holders of ours).
                 self.on_sweep_done(SweepDone(msg.gen, []))
-        elif msg.name == "spawn":
+        elif msg.name == "spawn":  # no process came of it
             self.on_spawn_failed(SpawnFailed(msg.gen, "internal_error", evidence))
+        elif msg.name == "retry":  # the retry's config read is lost: as a config that did not read
+            self.on_backoff_elapsed(BackoffElapsed(msg.gen, None, evidence))
         elif msg.name == "wait_for_gpus":
             if launch is not None and self.state == S.WAITING_GPU and not launch.spawning:
                 self._fail(launch, Classification("internal_error", evidence))  # retried

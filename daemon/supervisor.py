@@ -98,7 +98,7 @@ class Supervisor:
         if name:
             ticket = self._take_ticket()  # a stop while the boot preflights cancels the boot
             self.host.task(
-                boot.start(self, name, ticket, rollback), deadline_s=boot.BOOT_DEADLINE_S
+                boot.boot_start(self, name, ticket, rollback), deadline_s=boot.BOOT_DEADLINE_S
             )
         self.machine.persist()  # the previous life's record, brought up to date, is saved now
         await self._handled()

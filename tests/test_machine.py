@@ -31,6 +31,7 @@ from gpuwarden.daemon.messages import (
     StartRequested,
     StopRequested,
     SweepDone,
+    TaskFailed,
 )
 from gpuwarden.daemon.model import Launch, Swap
 from gpuwarden.daemon.preflight import PreflightResult
@@ -422,3 +423,38 @@ async def test_a_sweep_step_for_the_config_already_ready_does_nothing(tmp_path: 
     reply = w.restart("a", ensure=True)
     assert reply["swap_id"] is None and w.m.state == S.READY
     assert w.m.swap is None
+
+
+async def test_a_lost_retry_task_fails_the_attempt_instead_of_waiting_for_ever(
+    tmp_path: Path,
+) -> None:
+    w = World(tmp_path, **FAST)
+    w.up()
+    w.exits(1)
+    assert w.m.state == S.BACKOFF
+    w.send(TaskFailed("retry", w.launch.gen, "RuntimeError: cannot schedule new futures"))
+    assert w.m.state == S.FAILED
+    assert w.m.last_exit is not None and "retry task failed" in w.m.last_exit["evidence"]
+
+
+def test_the_tasks_the_machine_recovers_from_are_the_hosts_own() -> None:
+    """`TaskFailed` names a task by its coroutine's name: each one the machine recovers from
+    must be a task the host (or the boot) really runs."""
+    from gpuwarden.daemon import boot  # noqa: PLC0415
+    from gpuwarden.daemon.gpuwatch import GpuWatch  # noqa: PLC0415
+    from gpuwarden.daemon.host import Host  # noqa: PLC0415
+
+    def task_name(fn: Any) -> str:
+        return str(fn.__qualname__).rsplit(".", 1)[-1].lstrip("_")
+
+    runs = {
+        task_name(f)
+        for f in (
+            Host._after_exit,
+            Host._spawn,
+            Host._retry,
+            GpuWatch._wait_for_gpus,
+            boot.boot_start,
+        )
+    }
+    assert runs == {"after_exit", "spawn", "retry", "wait_for_gpus", "boot_start"}
