@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
@@ -42,7 +42,7 @@ async def start(supervisor: SupervisorDep, config: ConfigParam = None) -> Accept
     summary="Stop the server and leave it stopped; wins over a start, swap or sweep",
     responses=errors(401),
 )
-async def stop(request: Request, supervisor: SupervisorDep) -> Accepted:
+async def stop(supervisor: SupervisorDep) -> Accepted:
     return Accepted(**await supervisor.stop())
 
 
