@@ -8,12 +8,14 @@ folder (the working directory without a file).
 from __future__ import annotations
 
 import ipaddress
+import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from gpuwarden.daemon.safefile import YamlLimit, load_yaml, read_regular_text
 
@@ -91,11 +93,7 @@ class HttpLimits(_Strict):
     max_connections: int = Field(256, ge=1)
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="GPUWARDEN_", env_nested_delimiter="__", extra="forbid"
-    )
-
+class Settings(_Strict):
     listen: str = "127.0.0.1:8600"
     token_file: Path | None = None
     configs_dir: Path = Path("./configs")
@@ -137,18 +135,6 @@ class Settings(BaseSettings):
             hosts.append(name)
         return hosts
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # The environment wins over the file (passed as init values).
-        return (env_settings, init_settings)
-
     def resolve_paths(self, base: Path) -> Settings:
         def fix(p: Path) -> Path:
             return p if p.is_absolute() else (base / p).resolve()
@@ -174,8 +160,49 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+ENV_PREFIX = "GPUWARDEN_"
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The settings named by `GPUWARDEN_<KEY>` variables, nested at `__`, keys in any case
+    (`GPUWARDEN_RESTART__INITIAL_DELAY_S=0` is `{"restart": {"initial_delay_s": "0"}}`). A
+    value that starts like a JSON list or mapping is read as JSON (`GPUWARDEN_ALLOWED_HOSTS=
+    '["gpu-box"]'`); every other value is a string, converted by the field's type. Variables
+    that name no setting are ignored (`GPUWARDEN_TOKEN` is the CLI's, for one)."""
+    out: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        keys = name[len(ENV_PREFIX) :].lower().split("__")
+        if not all(keys) or keys[0] not in Settings.model_fields:
+            continue
+        parsed: Any = value
+        if value.lstrip()[:1] in ("[", "{"):
+            try:
+                parsed = json.loads(value)
+            except ValueError:
+                raise SettingsError(f"{name}: not valid JSON: {value[:80]!r}") from None
+        node = out
+        for key in keys[:-1]:
+            child = node.get(key)
+            node = node.setdefault(key, {}) if not isinstance(child, dict) else child
+        node[keys[-1]] = parsed
+    return out
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        old = out.get(key)
+        out[key] = (
+            _merged(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+        )
+    return out
+
+
 def load_settings(path: Path | None, listen: str | None = None) -> Settings:
-    """Read settings from `path` (optional) and the environment; paths made absolute."""
+    """Read settings from `path` (optional) and the environment, which wins over the file;
+    paths made absolute."""
     data: dict[str, Any] = {}
     base = Path.cwd()
     if path is not None:
@@ -191,6 +218,7 @@ def load_settings(path: Path | None, listen: str | None = None) -> Settings:
         if loaded is not None and not isinstance(loaded, dict):
             raise SettingsError(f"{path}: the settings must be a mapping")
         data = loaded or {}
+    data = _merged(data, env_overrides(os.environ))
     if listen is not None:
         data["listen"] = listen
     try:
@@ -201,6 +229,4 @@ def load_settings(path: Path | None, listen: str | None = None) -> Settings:
             f"{'.'.join(str(p) for p in e['loc']) or '(root)'}: {e['msg']}" for e in exc.errors()
         )
         raise SettingsError(f"{where}: {problems}") from None
-    if listen is not None:
-        settings = settings.model_copy(update={"listen": listen})
     return settings.resolve_paths(base)

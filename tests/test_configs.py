@@ -263,3 +263,23 @@ def test_settings_files_are_read_with_the_same_limits(tmp_path: Path) -> None:
     os.mkfifo(path)
     with pytest.raises(SettingsError, match="not a regular file"):
         load_settings(path)
+
+
+def test_settings_from_the_environment_nest_parse_json_and_ignore_other_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text("restart: {multiplier: 3}\nallowed_hosts: [a.example]\n")
+    monkeypatch.setenv("GPUWARDEN_restart__max_delay_s", "7")
+    monkeypatch.setenv("GPUWARDEN_ALLOWED_HOSTS", '["gpu-box", "b.example"]')
+    monkeypatch.setenv("GPUWARDEN_TOKEN", "not-a-setting")
+    s = load_settings(path)
+    assert (s.restart.multiplier, s.restart.max_delay_s) == (3, 7)
+    assert s.allowed_hosts == ["gpu-box", "b.example"]
+    monkeypatch.setenv("GPUWARDEN_ALLOWED_HOSTS", "[not json")
+    with pytest.raises(SettingsError, match="GPUWARDEN_ALLOWED_HOSTS: not valid JSON"):
+        load_settings(path)
+    monkeypatch.setenv("GPUWARDEN_ALLOWED_HOSTS", "[]")
+    monkeypatch.setenv("GPUWARDEN_RESTART__JITTER", "5")
+    with pytest.raises(SettingsError, match=r"restart\.jitter"):
+        load_settings(path)
