@@ -23,14 +23,14 @@ import json
 from typing import Any, ClassVar, cast
 
 import h11
-import structlog
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.utils import get_remote_addr
 
+from gpuwarden.daemon import logsetup
 from gpuwarden.daemon.logsetup import Repeats
 from gpuwarden.daemon.settings import HttpLimits
 
-log = structlog.get_logger("gpuwarden")
+log = logsetup.get_logger("gpuwarden")
 
 
 def canned(status: int, reason: str, error: str, detail: str) -> bytes:

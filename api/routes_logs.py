@@ -7,7 +7,6 @@ import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-import structlog
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 from sse_starlette.event import ensure_bytes
@@ -17,14 +16,14 @@ from starlette.types import Receive, Scope, Send
 from gpuwarden.api.deps import SettingsDep, SupervisorDep
 from gpuwarden.api.models import errors
 from gpuwarden.daemon import history as launches
-from gpuwarden.daemon import views
+from gpuwarden.daemon import logsetup, views
 from gpuwarden.daemon.errors import CommandError
 from gpuwarden.daemon.launchlog import LogCursor, LogFeed
 from gpuwarden.daemon.logfiles import read_tail
 from gpuwarden.daemon.supervisor import Supervisor
 
 router = APIRouter(tags=["logs"])
-log = structlog.get_logger("gpuwarden.api")
+log = logsetup.get_logger("gpuwarden.api")
 BATCH_LINES = 256  # lines per send to a stream client: one write of at most a few hundred KiB
 SEP = "\r\n"  # sse-starlette's separator
 

@@ -16,7 +16,6 @@ import socket
 import sys
 from collections.abc import Callable, Generator
 
-import structlog
 import uvicorn
 
 from gpuwarden.daemon import child as childmod
@@ -32,7 +31,7 @@ from .app import create_app
 from .connections import guarded_h11
 from .guard import is_loopback
 
-log = structlog.get_logger("gpuwarden")
+log = logsetup.get_logger("gpuwarden")
 
 
 class _Server(uvicorn.Server):

@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import structlog
+from gpuwarden.daemon import logsetup
 
 from . import ownership
 from .gpu import GpuBackend, GpuSnapshot, busy_gpus, describe_busy
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .model import Launch
     from .views import Snapshot
 
-log = structlog.get_logger("gpuwarden.supervisor")
+log = logsetup.get_logger("gpuwarden.supervisor")
 GPU_POLL_S = 1.0
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
-import structlog
+from gpuwarden.daemon import logsetup
 
 from . import child as childmod
 from . import ownership
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from .model import Launch
     from .views import Snapshot
 
-log = structlog.get_logger("gpuwarden.supervisor")
+log = logsetup.get_logger("gpuwarden.supervisor")
 
 # Findings logged this long before SGLang's death line are evidence of that death (its
 # scheduler watchdog logs the timeout, then waits 5 s before the SIGQUIT); older ones are not.
@@ -139,11 +139,7 @@ class Host(GpuWatch):
             except Exception:
                 log.exception("supervisor.event_listener_failed")
         fields = {k: v for k, v in record.items() if k not in ("event", "ts")}
-        if record["event"] == "write_failed":
-            log.error("daemon.write_failed", **fields)
-        elif record["event"] == "write_resumed":
-            log.warning("daemon.write_resumed", **fields)
-        log.info(f"server.{record['event']}", **fields)
+        log.log(logsetup.record_level(record), f"server.{record['event']}", **fields)
 
     def save(self, record: dict[str, Any]) -> None:
         """Write state.json (fsync and all) on the writer thread, so a relaunch never waits

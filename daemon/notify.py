@@ -14,17 +14,16 @@ import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import httpx
-import structlog
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
-
+from gpuwarden.daemon import logsetup
 from gpuwarden.daemon.chat import build_dump, save_dump
 from gpuwarden.daemon.settings import Webhook
 
 if TYPE_CHECKING:
+    import httpx
+
     from gpuwarden.daemon.supervisor import Supervisor
 
-log = structlog.get_logger("gpuwarden.notify")
+log = logsetup.get_logger("gpuwarden.notify")
 QUEUE = 50
 TIMEOUT_S = 5.0
 ATTEMPTS = 3
@@ -101,6 +100,8 @@ class Webhooks:
     # -- delivery --------------------------------------------------------------------------------
 
     async def _worker(self) -> None:
+        import httpx  # noqa: PLC0415 - only a daemon with webhooks loads a client (~4 MiB)
+
         async with httpx.AsyncClient(trust_env=False, timeout=TIMEOUT_S) as client:
             while True:
                 kind, text = await self.queue.get()
@@ -139,6 +140,14 @@ class Webhooks:
             if hook.format == "slack"
             else {"event": kind, "text": text, "dump": dump}
         )
+        import httpx  # noqa: PLC0415 - loaded by _worker already
+        from tenacity import (  # noqa: PLC0415
+            AsyncRetrying,
+            retry_if_exception_type,
+            stop_after_attempt,
+            wait_exponential,
+        )
+
         try:
             async for attempt in AsyncRetrying(
                 stop=stop_after_attempt(ATTEMPTS),

@@ -12,11 +12,10 @@ import threading
 import time
 from typing import Any
 
-import structlog
-
+from gpuwarden.daemon import logsetup
 from gpuwarden.daemon.gpu import GpuInfo, GpuProcess, GpuSnapshot
 
-log = structlog.get_logger("gpuwarden.nvml")
+log = logsetup.get_logger("gpuwarden.nvml")
 
 
 class NvmlBackend:

@@ -4,8 +4,8 @@ Backoff (the contract's schedule)::
 
     delay_n = min(max_delay_s, initial_delay_s * multiplier**(n-1) * (1 ± jitter))
 
-with the exponential part from tenacity's `wait_exponential` and the jitter from an injected
-`random.Random`, so tests can pin it.
+with the jitter from an injected `random.Random`, so tests can pin it. After many failures the
+power overflows a float: the delay is then `max_delay_s` (as it long since was).
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import random
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from tenacity import RetryCallState, wait_exponential
 
 from gpuwarden.daemon.settings import RestartPolicy
 
@@ -50,9 +48,10 @@ def backoff_delay(policy: RestartPolicy, failures: int, rng: random.Random) -> f
     """The delay before retry number `failures` (1-based)."""
     if failures <= 0:
         return 0.0
-    state = RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
-    state.attempt_number = failures
-    base = wait_exponential(multiplier=policy.initial_delay_s, exp_base=policy.multiplier)(state)
+    try:
+        base = policy.initial_delay_s * policy.multiplier ** (failures - 1)
+    except OverflowError:
+        base = float("inf")
     factor = 1.0 + policy.jitter * (2.0 * rng.random() - 1.0)
     return max(0.0, min(policy.max_delay_s, base * factor))
 

@@ -14,7 +14,7 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import structlog
+from gpuwarden.daemon import logsetup
 
 from . import boot, errors, reading, saved, views
 from . import child as childmod
@@ -34,7 +34,7 @@ from .settings import Settings
 from .states import ServerState
 from .store import EventLog, StateStore
 
-log = structlog.get_logger("gpuwarden.supervisor")
+log = logsetup.get_logger("gpuwarden.supervisor")
 
 # The owner handles a message in milliseconds; one taking this long means supervision is stuck
 # (the watchdog stops being fed). Config reads are bounded well below it.

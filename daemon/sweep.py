@@ -17,9 +17,8 @@ import time
 from typing import Any
 
 import httpx
-import structlog
 
-from gpuwarden.daemon import history
+from gpuwarden.daemon import history, logsetup
 from gpuwarden.daemon.errors import CommandError, config_refusal
 from gpuwarden.daemon.load import LoadSpec, run_load
 from gpuwarden.daemon.supervisor import Supervisor
@@ -27,7 +26,7 @@ from gpuwarden.daemon.supervisor import Supervisor
 from .sglanglines import parse_line
 from .sweepreport import Sweep, write_report
 
-log = structlog.get_logger("gpuwarden.sweep")
+log = logsetup.get_logger("gpuwarden.sweep")
 
 
 class SweepManager:

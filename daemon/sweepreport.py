@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import structlog
+from gpuwarden.daemon import logsetup
 
 from .configs import ConfigStore
 from .load import LoadSpec
 
-log = structlog.get_logger("gpuwarden.sweep")
+log = logsetup.get_logger("gpuwarden.sweep")
 
 
 @dataclass

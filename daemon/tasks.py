@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-import structlog
+from gpuwarden.daemon import logsetup
 
 from .clock import Clock, SystemClock
 from .messages import Message, TaskFailed
@@ -18,7 +18,7 @@ from .messages import Message, TaskFailed
 if TYPE_CHECKING:
     from .model import Launch
 
-log = structlog.get_logger("gpuwarden.supervisor")
+log = logsetup.get_logger("gpuwarden.supervisor")
 
 
 class Tasks:

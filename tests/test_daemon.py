@@ -45,7 +45,10 @@ def test_crash_during_load_backs_off_and_relaunches(
     assert backoff["delay_s"] == 0.05
     second = d.wait_event("server.launch", after=backoff["_index"])
     assert second["launch_id"] != exit1["launch_id"]
-    d.wait_event("server.crash_loop", timeout=30)  # the third failure in a row
+    loop = d.wait_event("server.crash_loop", timeout=30)  # the third failure in a row
+    # The operator's levels: the crash is an error, the retry and the crash loop warnings.
+    assert (exit1["level"], backoff["level"], loop["level"]) == ("error", "warning", "warning")
+    assert second["level"] == "info"
 
 
 def test_unknown_flag_is_refused_by_preflight_at_boot(
