@@ -243,11 +243,19 @@ class ConfigStore:
             raise ConfigError(f"{path}:1: a config must be a mapping", path=path)
         return path, text, data
 
-    def load(self, name: str) -> ResolvedConfig:
-        """Resolve a config; re-read only when a file of its chain changed."""
+    def unchanged(self, name: str) -> ResolvedConfig | None:
+        """The config as last resolved, if no file of its chain changed since (a stat of each,
+        nothing read); None when it must be read again."""
         cached = self._cache.get(name)
         if cached is not None and all(_stamp(p) == st for p, st in cached[0]):
             return cached[1]
+        return None
+
+    def load(self, name: str) -> ResolvedConfig:
+        """Resolve a config; re-read only when a file of its chain changed."""
+        cached = self.unchanged(name)
+        if cached is not None:
+            return cached
         try:
             resolved = self._load(name)
         except (ConfigError, ConfigNotFound):

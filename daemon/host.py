@@ -66,6 +66,9 @@ SWEEP_DEADLINE_S = 120.0
 SAVE_RETRY_S = 2.0
 GPU_POLL_S = 1.0
 SETTLED_KEPT = 32  # outcomes of settled swaps kept for `restart --wait` callers
+# Between a server's end and the next exec, records wait for the exec (they are written right
+# after it), but never longer than this.
+HOLD_RECORDS_S = 0.25
 
 
 class Effects(Protocol):
@@ -118,17 +121,48 @@ class Host(GpuWatch):
         self._retry_task: asyncio.Task[Any] | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
         self._events_error: str | None = None
+        self._saving = False  # a state.json write is under way on the writer thread
+        self._save_next: dict[str, Any] | None = None  # the newest record, behind it
+        self._closing = False
+        self._records: list[dict[str, Any]] = []  # the owner's turn's records, not yet written
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._settled: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._early: dict[int, list[Message]] = {}  # lines read before the spawn was posted
 
     async def close(self) -> None:
+        self.flush_records()
+        self._closing = True
         await asyncio.to_thread(self._writer.shutdown, wait=True)
+        if self._save_next is not None:  # the last change, behind the write then under way
+            await asyncio.to_thread(self.store.save, self._save_next)
+            self._save_next = None
         self.cancel_all()
         await self.prober.close()
 
     # -- records -------------------------------------------------------------------------------
 
     def record(self, record: dict[str, Any]) -> None:
+        """A record of the machine's: kept in order and written (events.jsonl, listeners, the
+        daemon's log) when the owner's turn ends (`flush_records`), or, between a server's end
+        and the next exec, right after that exec (`hold_records`)."""
+        self._records.append(record)
+
+    def hold_records(self) -> None:
+        """A relaunch is under way: its records wait for the exec, at most `HOLD_RECORDS_S`."""
+        if self._records and self._flush_timer is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(
+                HOLD_RECORDS_S, self.flush_records
+            )
+
+    def flush_records(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        records, self._records = self._records, []
+        for record in records:
+            self._write_record(record)
+
+    def _write_record(self, record: dict[str, Any]) -> None:
         self.events.append(record)
         if self.events.write_error != self._events_error:
             self._events_error = self.events.write_error
@@ -143,16 +177,28 @@ class Host(GpuWatch):
 
     def save(self, record: dict[str, Any]) -> None:
         """Write state.json (fsync and all) on the writer thread, so a relaunch never waits
-        for the disk. Writes stay in order: one writer."""
+        for the disk. One write at a time: a record that comes while one is being written waits
+        for it, and a newer one replaces it there (the file only ever needs the newest)."""
+        if self._saving:
+            self._save_next = record
+            return
+        self._saving = True
         done = self._writer.submit(self.store.save, record)
         loop = asyncio.get_running_loop()
 
         def report(fut: Any) -> None:
             error = fut.result() if fut.exception() is None else repr(fut.exception())
             with contextlib.suppress(RuntimeError):  # the loop is gone: the daemon is exiting
-                loop.call_soon_threadsafe(self.post, StateSaved(error))
+                loop.call_soon_threadsafe(self._saved, error)
 
         done.add_done_callback(report)
+
+    def _saved(self, error: str | None) -> None:
+        self._saving = False
+        self.post(StateSaved(error))
+        record, self._save_next = self._save_next, None
+        if record is not None and not self._closing:
+            self.save(record)
 
     def save_again(self) -> None:
         self.task(self._fire(SAVE_RETRY_S, SaveAgain()))
@@ -206,6 +252,7 @@ class Host(GpuWatch):
             child.exited.add_done_callback(
                 lambda f: self.post(ChildExited(gen, f.result() if not f.cancelled() else None))
             )
+            self.flush_records()  # what the relaunch held back, now that the server runs
             self.post(Spawned(gen, child, launch_log))
         finally:
             for msg in self._early.pop(gen, []):
@@ -318,12 +365,19 @@ class Host(GpuWatch):
             self._retry_task = None
 
     async def _retry(self, delay_s: float, gen: int, config: str | None) -> None:
-        await self.clock.sleep(delay_s)
+        if delay_s > 0:
+            await self.clock.sleep(delay_s)
         if not config:
             error = "no config given, none running and no default_config set"
             self.post(BackoffElapsed(gen, None, error))
             return
-        try:  # off the loop: a large or hostile file must not stall the owner
+        # A config whose files did not change is known by a stat of each: no thread hop on the
+        # restart path. Reading one is off the loop: a large or hostile file must not stall it.
+        resolved = self.configs.unchanged(config)
+        if resolved is not None:
+            self.post(BackoffElapsed(gen, resolved))
+            return
+        try:
             resolved = await asyncio.to_thread(self.configs.load, config)
         except ConfigError as exc:
             self.post(BackoffElapsed(gen, None, str(exc)))

@@ -44,6 +44,14 @@ TRANSITIONS: dict[ServerState, frozenset[ServerState]] = {
 # States in which a server process of ours may be running.
 RUNNING_STATES = frozenset({S.STARTING, S.READY, S.UNHEALTHY, S.STOPPING})
 
+# Between a server's end and the next one's exec: what changes here is superseded within
+# milliseconds by the exec's outcome, so saving it may wait a little (the restart path is not
+# made to share the interpreter with a state file's encoding).
+RELAUNCH_STATES = frozenset({S.STOPPING, S.BACKOFF, S.WAITING_GPU})
+# From the exit's sweep on: the records of these states are written right after the next exec.
+# (Not stopping's: that an exit was seen is reported at once.)
+HOLD_RECORDS_STATES = frozenset({S.BACKOFF, S.WAITING_GPU})
+
 
 class TransitionError(RuntimeError):
     pass

@@ -31,7 +31,7 @@ from .ownership import TreeCache
 from .preflight import Preflight, PreflightResult
 from .redact import Redactor
 from .settings import Settings
-from .states import ServerState
+from .states import HOLD_RECORDS_STATES, RELAUNCH_STATES, ServerState
 from .store import EventLog, StateStore
 
 log = logsetup.get_logger("gpuwarden.supervisor")
@@ -39,6 +39,10 @@ log = logsetup.get_logger("gpuwarden.supervisor")
 # The owner handles a message in milliseconds; one taking this long means supervision is stuck
 # (the watchdog stops being fed). Config reads are bounded well below it.
 OWNER_STALL_S = 60.0
+# The longest a change waits to be saved while a relaunch is under way (`RELAUNCH_STATES`):
+# the exec's outcome normally comes first and is saved with it; a long backoff, GPU wait or
+# stop is saved after this.
+SAVE_DEFER_S = 0.25
 
 
 class Supervisor:
@@ -86,6 +90,7 @@ class Supervisor:
         self._trees = TreeCache()
         self._sweep: tuple[str, Callable[[], Any]] | None = None
         self._cancel_sweep: Callable[[], Awaitable[None]] | None = None
+        self._save_timer: asyncio.TimerHandle | None = None
 
     # -- the owner -------------------------------------------------------------------------------
 
@@ -110,7 +115,7 @@ class Supervisor:
                 await self._handled()
                 self._handling_since = None
         finally:
-            self._save()
+            self._save(now=True)
             await self.host.close()
 
     def _dispatch(self, msg: Message) -> None:
@@ -139,15 +144,36 @@ class Supervisor:
                     waiting.set_result(None)
 
     async def _handled(self) -> None:
+        # On the way from a server's end to the next exec (backoff with no delay, the GPU wait,
+        # the exec) the records wait for the exec: the restart path writes nothing it can
+        # write after it. Everywhere else they are written at the end of each turn.
+        if self.machine.state in HOLD_RECORDS_STATES and not self.machine.finished:
+            self.host.hold_records()
+        else:
+            self.host.flush_records()
         self._save()
         self._snapshot = None
         async with self._changed:
             self._changed.notify_all()
 
-    def _save(self) -> None:
-        if self.machine.dirty:
-            self.machine.dirty = False
-            self.host.save(saved.record(self.machine, self._boot_id))
+    def _save(self, now: bool = False) -> None:
+        if not self.machine.dirty:
+            return
+        if not now and self.machine.state in RELAUNCH_STATES and not self.machine.finished:
+            if self._save_timer is None:
+                self._save_timer = asyncio.get_running_loop().call_later(
+                    SAVE_DEFER_S, self._deferred_save
+                )
+            return
+        if self._save_timer is not None:
+            self._save_timer.cancel()
+            self._save_timer = None
+        self.machine.dirty = False
+        self.host.save(saved.record(self.machine, self._boot_id))
+
+    def _deferred_save(self) -> None:
+        self._save_timer = None
+        self._save(now=True)
 
     def post(self, msg: Message) -> None:
         self._inbox.put_nowait(msg)

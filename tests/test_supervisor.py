@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
+import json
 import random
 import signal
 import socket
@@ -99,6 +101,10 @@ def make_settings(root: Path, **over: Any) -> Settings:
     }
     for key, value in over.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    # A test that asks for a long first delay means it: the fast schedule's cap would cut it.
+    data["restart"]["max_delay_s"] = max(
+        data["restart"]["max_delay_s"], data["restart"]["initial_delay_s"]
+    )
     return Settings(**data)
 
 
@@ -508,3 +514,82 @@ async def test_a_helper_task_past_its_deadline_is_stuck_supervision(
 async def _until(predicate: Any) -> None:
     while not predicate():  # noqa: ASYNC110 - a deadline passing is no event to await
         await asyncio.sleep(0.05)
+
+
+# -- what reaches the disk while a relaunch is under way -------------------------------------------
+
+
+async def file_says(path: Path, predicate: Any, timeout: float) -> Any:
+    """Poll a file the daemon writes on its own schedule (nothing announces the write)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            data = json.loads(await asyncio.to_thread(path.read_text))
+            if predicate(data):
+                return data
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {path.name}")
+        await asyncio.sleep(0.02)
+
+
+async def test_a_long_backoff_is_still_saved_and_its_records_written(
+    tmp_path: Path, fake_gpu: Path
+) -> None:
+    """The save of a relaunch's passing states is put off only briefly: a backoff that lasts is
+    in state.json, and every record of the crash is in events.jsonl, in order, while it waits."""
+    cfg = standin_config("--standin-crash-on-load=cuda_oom")
+    async with running(
+        tmp_path,
+        fake_gpu,
+        {"c": cfg},
+        settings={"restart": {"initial_delay_s": 60}},
+    ) as sup:
+        await sup.start("c")
+        await sup.wait_for_state(S.BACKOFF, timeout=20)
+        state = await file_says(
+            tmp_path / "state" / "state.json",
+            lambda d: d.get("failures") == 1 and d.get("current_launch") is None,
+            10,
+        )
+        assert state["failures"] == 1 and state["current_launch"] is None
+        log = tmp_path / "state" / "events.jsonl"
+
+        async def written() -> list[dict[str, Any]]:
+            text = await asyncio.to_thread(log.read_text)
+            return [json.loads(line) for line in text.splitlines()]
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not any(e["event"] == "state" and e.get("to") == "backoff" for e in await written()):
+            assert loop.time() < deadline, "the backoff's record never reached events.jsonl"
+            await asyncio.sleep(0.02)
+        on_disk = await written()
+        seqs = [e["seq"] for e in on_disk]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+        kinds = [e["event"] for e in on_disk]
+        assert "exit" in kinds and kinds.index("exit") < len(kinds) - 1
+        assert sup.machine.state == S.BACKOFF
+
+
+async def test_records_of_a_quick_relaunch_are_all_written_in_order(
+    tmp_path: Path, fake_gpu: Path
+) -> None:
+    cfg = standin_config("--standin-crash-on-load=cuda_oom")
+    async with running(
+        tmp_path,
+        fake_gpu,
+        {"c": cfg},
+        settings={"restart": {**FAST_RESTART, "initial_delay_s": 0, "max_failures": 3}},
+    ) as sup:
+        await sup.start("c")
+        await sup.wait_for_state(S.FAILED, timeout=30)
+    on_disk = [
+        json.loads(line) for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()
+    ]
+    assert [e["seq"] for e in on_disk] == sorted(e["seq"] for e in on_disk)
+    in_memory = [e["seq"] for e in sup.events.recent(10_000)]
+    assert [e["seq"] for e in on_disk][-len(in_memory) :] == in_memory[-len(on_disk) :]
+    assert sum(e["event"] == "exit" for e in on_disk) == 3
+    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert state["failures"] == 3 and state["current_launch"] is None
