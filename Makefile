@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-real bench-real lint typecheck unit bench soak clean standin-table setup
+.PHONY: demo test test-real bench-real lint typecheck unit bench bench-repeat soak clean standin-table setup
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,13 @@ $(PEERS)/.installed:
 # bench/results/peers.{md,json} and the README's table.
 bench: setup $(PEERS)/.installed
 	$(BIN)/python bench/peers.py --readme README.md
+
+# The restart rows alone (crash -> next start, exit -> state change), N runs of interleaved
+# rounds, each run with fresh tools: `make bench-repeat N=5`. Prints each run's medians,
+# gpuwarden's ratio to PM2 and margin over the floor, then how many runs met the goals.
+N ?= 5
+bench-repeat: setup $(PEERS)/.installed
+	$(BIN)/python bench/restart.py --repeat $(N)
 
 # A dead child of the real SGLang (and of the stand-in): crash line -> group gone -> next exec.
 bench-real: setup

@@ -1,7 +1,8 @@
 """The supervisors measured side by side: gpuwarden, supervisord (PyPI) and PM2 (npm).
 
-Each tool runs the same tiny Python child programs, in the same run, one tool at a time
-(the 60 s defaults row runs the three at once: it counts starts, it does not time them).
+Each tool runs the same tiny Python child programs, in the same run, one tool at a time (the
+restart rows interleave the tools round by round, `bench/restart.py`; the 60 s defaults row runs
+the three at once: it counts starts, it does not time them).
 Every tool is told about the child the way its users would: gpuwarden by a settings file and a
 config, supervisord by an ini file with one `[program:child]`, PM2 by an ecosystem JSON file with
 `interpreter: none`. Each tool's reports are read from its push channel, with the time an outside
@@ -43,6 +44,8 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+# Run as a script, this module is also `peers` to bench/restart.py: one copy of the tools.
+sys.modules.setdefault("peers", sys.modules[__name__])
 import core  # noqa: E402 - bench/core.py, next to this file
 
 PY = core.PY
@@ -659,41 +662,8 @@ def stamps(path: Path) -> list[list[float]]:
     return [[float(x) for x in line.split()] for line in path.read_text().splitlines(True)]
 
 
-def floor_restart(rounds: int, tmp: Path) -> dict[str, list[float]]:
-    """A bare Popen/wait loop restarting the same child: the floor for the two latencies."""
-    path = tmp / "floor-stamps.txt"
-    exits = []
-    for _ in range(rounds + 1):
-        p = subprocess.Popen(py(CRASHER, str(path), "0"))
-        p.wait()
-        exits.append(time.time())
-    runs = stamps(path)
-    return {
-        "gap_s": [runs[i + 1][0] - runs[i][1] for i in range(rounds)],
-        "exit_s": [exits[i] - runs[i][1] for i in range(rounds)],
-    }
-
-
 def first_after(events: list[Event], kind: str, t: float) -> Event | None:
     return next((e for e in events if e.kind == kind and e.t >= t), None)
-
-
-def measure_restart(cls: type[Tool], rounds: int, tmp: Path) -> dict[str, Any]:
-    """Crash -> next start with the tool's minimum restart delay, and exit -> the tool's report."""
-    path = tmp / f"{cls.name}-stamps.txt"
-    with running(cls, tmp / f"{cls.name}-restart", Program(py(CRASHER, str(path), "0"))) as tool:
-        wait_until(lambda: len(stamps(path)) > rounds + 1, 120, f"{cls.name}: {rounds} restarts")
-        tool.request_stop()
-        time.sleep(0.3)
-        events = tool.events()
-    runs = [r for r in stamps(path) if len(r) == 2]
-    gaps = [runs[i + 1][0] - runs[i][1] for i in range(rounds)]
-    reported = []
-    for i in range(rounds):
-        e = first_after(events, "exit", runs[i][1])
-        if e is not None and e.t < runs[i + 1][0] + 5:
-            reported.append(e.t - runs[i][1])
-    return {"gap_s": gaps, "exit_s": reported}
 
 
 def measure_defaults(seconds: float, tmp: Path) -> dict[str, Any]:
@@ -978,6 +948,8 @@ def machine() -> dict[str, str]:
 
 
 def run_all(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    import restart  # noqa: PLC0415 - bench/restart.py (it imports this module)
+
     import api as control  # noqa: PLC0415 - bench/api.py (the name shadows nothing here)
 
     res: dict[str, Any] = {"machine": machine(), "versions": {}, "params": vars(args).copy()}
@@ -986,10 +958,9 @@ def run_all(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     def step(what: str) -> None:
         print(f"[bench] {what}", file=sys.stderr, flush=True)
 
-    step(f"crash -> restart: floor and each tool, {args.rounds} rounds")
-    res["restart"] = {"floor": floor_restart(args.rounds, tmp)}
-    for cls in TOOLS:
-        res["restart"][cls.name] = measure_restart(cls, args.rounds, tmp)
+    step(f"crash -> restart: each tool and the floor, {args.rounds} interleaved rounds")
+    names = [cls.name for cls in TOOLS] + ["floor"]
+    res["restart"] = restart.interleaved(names, args.rounds, tmp / "restart")
     step(f"each tool's defaults for {args.defaults_s:g} s, a child crashing 0.2 s after start")
     res["defaults"] = measure_defaults(args.defaults_s, tmp)
     res["capture"] = {}
@@ -1047,6 +1018,8 @@ PEER_NAMES = ["supervisord", "PM2"]
 
 
 def render(res: dict[str, Any]) -> str:
+    import restart  # noqa: PLC0415 - bench/restart.py (it imports this module)
+
     m, v, p = res["machine"], res["versions"], res["params"]
     rows: list[list[str]] = []
 
@@ -1064,12 +1037,21 @@ def render(res: dict[str, Any]) -> str:
     def plain(label: str, floor: str, cells: dict[str, str]) -> None:
         rows.append([label, floor, cells["gpuwarden"]] + [cells[n] for n in PEER_NAMES] + ["", ""])
 
+    def spread_row(label: str, values: dict[str, list[float]]) -> None:
+        """A row of `median (p25-p75)` per tool and the medians' ratios."""
+        x = {k: median(v) for k, v in values.items()}
+        rows.append(
+            [label]
+            + [restart.cell(values.get(n)) for n in ["floor", "gpuwarden", *PEER_NAMES]]
+            + [ratio(x["gpuwarden"], x[n]) for n in PEER_NAMES]
+        )
+
     r = res["restart"]
     gaps = {k: x["gap_s"] for k, x in r.items()}
     exits = {k: x["exit_s"] for k, x in r.items()}
-    stat_row("crash → next start, each tool's minimum restart delay (median)", gaps, fmt_ms)
+    spread_row("crash → next start, each tool's minimum restart delay: median (p25-p75)", gaps)
     stat_row("  p95", gaps, fmt_ms, q=0.95)
-    stat_row("exit → state change, as each tool reports it (median)", exits, fmt_ms)
+    spread_row("exit → state change, as each tool reports it: median (p25-p75)", exits)
     stat_row("  p95", exits, fmt_ms, q=0.95)
     d = res["defaults"]
     plain(
@@ -1188,7 +1170,8 @@ def render(res: dict[str, Any]) -> str:
         f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB, Linux "
         f"{m['kernel']}): gpuwarden {v['gpuwarden']} ({m['commit']}), "
         f"supervisord {v['supervisord']}, "
-        f"PM2 {v['PM2']} on node {m['node']}, Python {m['python']}. {p['rounds']} restart rounds, "
+        f"PM2 {v['PM2']} on node {m['node']}, Python {m['python']}. {p['rounds']} interleaved "
+        f"restart rounds, "
         f"{p['reps']} repetitions of the capture and stop runs. Ratios are gpuwarden's figure "
         "divided by the peer's: below 1 is faster or smaller. Reproduce with `make bench`.\n"
     )
@@ -1224,8 +1207,13 @@ How each tool was set up (`bench/peers.py` writes the files):
   kills the tree it finds under the child (`treekill`), which a setsid'd, double-forked
   grandchild has left; gpuwarden signals the group, and as the children's subreaper adopts and
   sweeps every descendant that was reparented to it.
-- **floor**: a bare `Popen`/`wait` loop restarting the same child, and the child writing straight
-  to a file.
+- **restart rows**: the child notes its first instruction's time, then waits for SIGUSR1; on it
+  it notes the time and exits 1. Each round ends one child of each tool in turn (the order
+  rotates every round), waits for that tool's next start and its report of the exit, and lets it
+  settle 50 ms, so drift on a shared machine lands on every tool alike (`bench/restart.py`;
+  `make bench-repeat N=5` runs these rows alone, N times).
+- **floor**: a bare `Popen`/`wait` loop restarting the same child (in a process of its own for
+  the restart rows), and the child writing straight to a file.
 """
 
 BEGIN, END = "<!-- bench:begin (written by bench/peers.py) -->", "<!-- bench:end -->"

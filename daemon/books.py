@@ -80,6 +80,7 @@ class Books:
         self.active_sweep: str | None = None
         self.server_metrics: dict[str, Any] = {}
         self.gpu_snapshot = GpuSnapshot()
+        self.gpu_tree_pids: frozenset[int] = frozenset()  # the sampled launch tree (`ours`)
         self.gpu_pids_unresolved = False
         self.last_sweep_killed: list[dict[str, Any]] = []
         # Processes known to be ours, of this and earlier launches: (pid, create_time) ->
@@ -234,6 +235,7 @@ class Books:
         across daemon lives, to know orphans later). Returns that launch, if the sample is of it."""
         snap: GpuSnapshot = msg.snapshot
         self.gpu_snapshot = snap
+        self.gpu_tree_pids = frozenset(pid for pid, _ in msg.tree)
         if msg.unresolved and not self.gpu_pids_unresolved:
             # NVML in a container may report pids of another namespace: say so once, and never
             # call such a holder ours (decisions fall back to memory alone).

@@ -82,8 +82,15 @@ class GpuWatch(Tasks):
         self.task(self._refresh_gpus())
 
     async def _refresh_gpus(self) -> None:
+        """A sample out of turn (at ready): of no launch, but with the running tree's pids when
+        some GPU lists a process, so status marks the server's holders from the first sample."""
         with contextlib.suppress(Exception):
-            self.post(GpuSampled(0, await asyncio.to_thread(self.gpu.snapshot), frozenset()))
+            snap = await asyncio.to_thread(self.gpu.snapshot)
+            pid = self.view().pid
+            tree: frozenset[tuple[int, float]] = frozenset()
+            if pid is not None and any(g.processes for g in snap.gpus):
+                tree = await asyncio.to_thread(ownership.launch_tree, pid)
+            self.post(GpuSampled(0, snap, tree))
 
     def poll_gpus(self) -> None:
         self.task(self._poll_gpus())

@@ -8,7 +8,6 @@ in the host's tasks or threads, never inside the machine.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,23 +81,3 @@ async def kill_gpu_orphans(
         for t in targets
         if t[0] in killed
     ]
-
-
-class TreeCache:
-    """The running launch's pids for status's `ours` marks, walked at most once a second."""
-
-    def __init__(self) -> None:
-        self._cached: tuple[int, float, frozenset[int]] | None = None
-
-    def pids(self, main_pid: int | None) -> frozenset[int]:
-        if main_pid is None:
-            return frozenset()
-        now = time.monotonic()
-        cached = self._cached
-        if cached is not None and cached[0] == main_pid and now - cached[1] < 1.0:
-            return cached[2]
-        pids = {main_pid}
-        with contextlib.suppress(psutil.Error):
-            pids.update(c.pid for c in psutil.Process(main_pid).children(recursive=True))
-        self._cached = (main_pid, now, frozenset(pids))
-        return self._cached[2]

@@ -27,7 +27,6 @@ from .health import HttpProber, Prober
 from .host import Host
 from .machine import Machine
 from .messages import Message, ShutdownRequested
-from .ownership import TreeCache
 from .preflight import Preflight, PreflightResult
 from .redact import Redactor
 from .settings import Settings
@@ -87,7 +86,7 @@ class Supervisor:
         self._shutdown_replies: list[asyncio.Future[Any]] = []
         self._handling_since: float | None = None  # when the owner took its message
         self._owner: asyncio.Task[Any] | None = None
-        self._trees = TreeCache()
+        self._status: tuple[views.Snapshot, dict[str, Any]] | None = None  # status_fixed's
         self._sweep: tuple[str, Callable[[], Any]] | None = None
         self._cancel_sweep: Callable[[], Awaitable[None]] | None = None
         self._save_timer: asyncio.TimerHandle | None = None
@@ -310,14 +309,18 @@ class Supervisor:
         return self.host.overdue()
 
     def status(self) -> dict[str, Any]:
-        sweep = self._sweep[1]() if self._sweep is not None else None
-        return views.status(
-            self.snapshot(),
+        """`GET /status`: built once per snapshot; the fields that move with time are read
+        per call. The nested values are shared between calls: readers must not change them."""
+        snap = self.snapshot()
+        cached = self._status
+        if cached is None or cached[0] is not snap:
+            cached = self._status = (snap, views.status_fixed(snap, gpu_backend=self.gpu.name))
+        return views.status_now(
+            cached[1],
+            snap,
             now_mono=self.clock.monotonic(),
             real_mono=self.host.real.monotonic(),
-            our_pids=self._trees.pids(self.snapshot().pid),
-            gpu_backend=self.gpu.name,
-            sweep=sweep,
+            sweep=self._sweep[1]() if self._sweep is not None else None,
             supervising=self.stuck() is None,
         )
 

@@ -58,6 +58,7 @@ class Snapshot:
     history: tuple[Mapping[str, Any], ...]
     active_sweep: str | None
     gpu_snapshot: GpuSnapshot
+    gpu_tree_pids: frozenset[int]  # the running launch's tree as of the GPU sample
     gpu_pids_unresolved: bool
     known_ours: Mapping[tuple[int, float], str]
     watching_ranks: bool
@@ -103,6 +104,7 @@ def take(m: Machine) -> Snapshot:
         history=m.history.entries(),
         active_sweep=m.active_sweep,
         gpu_snapshot=m.gpu_snapshot,
+        gpu_tree_pids=m.gpu_tree_pids,
         gpu_pids_unresolved=m.gpu_pids_unresolved,
         known_ours=MappingProxyType(dict(m.known_ours)),
         watching_ranks=bool(launch is not None and launch.rank_gpus),
@@ -113,20 +115,9 @@ def take(m: Machine) -> Snapshot:
     )
 
 
-def status(
-    snap: Snapshot,
-    *,
-    now_mono: float,
-    real_mono: float,
-    our_pids: frozenset[int],
-    gpu_backend: str,
-    sweep: dict[str, Any] | None,
-    supervising: bool,
-) -> dict[str, Any]:
-    """The body of `GET /status`."""
-    uptime = None
-    if snap.pid is not None and snap.ready_mono is not None:
-        uptime = round(now_mono - snap.ready_mono, 3)
+def status_fixed(snap: Snapshot, *, gpu_backend: str) -> dict[str, Any]:
+    """The body of `GET /status` as far as the snapshot alone decides it: built once per
+    snapshot. The fields that move with time are None here, in their places (`status_now`)."""
     gpus = [
         {
             "index": g.index,
@@ -135,7 +126,12 @@ def status(
             "total_mib": g.total_mib,
             "utilization_pct": g.utilization_pct,
             "processes": [
-                {"pid": p.pid, "name": p.name, "used_mib": p.used_mib, "ours": p.pid in our_pids}
+                {
+                    "pid": p.pid,
+                    "name": p.name,
+                    "used_mib": p.used_mib,
+                    "ours": p.pid in snap.gpu_tree_pids,
+                }
                 for p in g.processes
             ],
         }
@@ -149,7 +145,7 @@ def status(
         "launch_id": snap.launch_id,
         "started_at": utc_iso(snap.started_at),
         "ready_at": utc_iso(snap.ready_at),
-        "uptime_s": uptime,
+        "uptime_s": None,
         "restarts": snap.restarts,
         "failures": snap.failures,
         "crash_loop": snap.crash_loop,
@@ -159,16 +155,39 @@ def status(
         "last_good_config": snap.last_good_config,
         "rolled_back_from": snap.rolled_back_from,
         "swap": dict(snap.swap) if snap.swap is not None else None,
-        "sweep": {k: sweep[k] for k in ("id", "done", "total", "current")} if sweep else None,
+        "sweep": None,
         "last_sweep_killed": [dict(k) for k in snap.last_sweep_killed],
         "gpus": gpus,
         "gpu_backend": gpu_backend,
         "gpu_error": snap.gpu_snapshot.error,
-        "gpu_snapshot_age_s": round(max(0.0, real_mono - snap.gpu_snapshot.taken_at), 3),
+        "gpu_snapshot_age_s": None,
         "gpu_pids_unresolved": snap.gpu_pids_unresolved,
         "server_metrics": dict(snap.server_metrics) or None,
         "write_errors": dict(snap.write_errors),
         "internal_errors": snap.internal_errors,
+        "supervising": None,
+    }
+
+
+def status_now(
+    fixed: dict[str, Any],
+    snap: Snapshot,
+    *,
+    now_mono: float,
+    real_mono: float,
+    sweep: dict[str, Any] | None,
+    supervising: bool,
+) -> dict[str, Any]:
+    """`status_fixed`'s body (of the same snapshot, shared: not changed here) with the fields
+    that move with time filled in, read at this moment."""
+    uptime = None
+    if snap.pid is not None and snap.ready_mono is not None:
+        uptime = round(now_mono - snap.ready_mono, 3)
+    return {
+        **fixed,
+        "uptime_s": uptime,
+        "sweep": {k: sweep[k] for k in ("id", "done", "total", "current")} if sweep else None,
+        "gpu_snapshot_age_s": round(max(0.0, real_mono - snap.gpu_snapshot.taken_at), 3),
         "supervising": supervising,
     }
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -14,7 +16,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import PY, Proc, free_port
-from .daemon_harness import Daemon, standin_config, start_daemon
+from .daemon_harness import Daemon, standin_config, start_daemon, until
 
 
 def two_configs(**extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -163,6 +165,27 @@ def test_stop_during_a_swap_wins(procs: list[Proc], tmp_path: Path, fake_gpu: Pa
     assert body["outcome"] == "failed" and body["reason"] == "requested_stop"
     d.wait_state("stopped")
     assert d.status()["intent"]["running"] is False
+
+
+def test_status_built_once_per_snapshot_shows_each_change_and_a_moving_uptime(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """`/status` is rendered once per snapshot and reused: the time fields still move, and a
+    change (the server killed) shows in the first answer after the daemon records it."""
+    d = start_daemon(procs, tmp_path, fake_gpu, {"good": standin_config()}, default="good")
+    d.wait_state("ready")
+    first = d.status()
+    assert first["state"] == "ready" and first["uptime_s"] is not None
+    until(lambda: d.status()["uptime_s"] > first["uptime_s"], 10, "uptime_s to move on")
+    again = d.status()
+    assert (again["launch_id"], again["pid"]) == (first["launch_id"], first["pid"])
+    mark = d.mark()
+    os.kill(first["pid"], signal.SIGKILL)
+    d.wait_event("server.exit", after=mark, launch_id=first["launch_id"])
+    st = d.status()  # at once: no waiting for the cached body to age out
+    assert st["last_exit"]["launch_id"] == first["launch_id"]
+    assert st["last_exit"]["signal"] == signal.SIGKILL
+    assert st["pid"] != first["pid"]
 
 
 def test_auth_names_and_methods(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
