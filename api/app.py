@@ -55,7 +55,7 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
     # One listener on the capture path for every /logs/stream client: it only says "more".
     app.state.log_feed = LogFeed()
     supervisor.line_listeners.add(app.state.log_feed.notify)
-    app.state.metrics = None  # the Prometheus registry, made on the first scrape
+    app.state.metrics = None  # the metrics (api/metrics.py), made on the first scrape
     app.state.sweeps = SweepManager(supervisor)
     # The guard checks Host, Origin, the token and the body's size before any body is read.
     app.add_middleware(Guard, policy=policy_for(settings, app.state.token))

@@ -43,13 +43,10 @@ async def events(
 )
 async def metrics(request: Request) -> Response:
     # On the first scrape (prometheus_client is not imported before).
-    from prometheus_client import generate_latest  # noqa: PLC0415
-
-    from .metrics import metrics_registry  # noqa: PLC0415
+    from .metrics import Metrics  # noqa: PLC0415
 
     state = request.app.state
     if state.metrics is None:
-        state.metrics = metrics_registry(state.supervisor, state.log_feed)
-    return Response(
-        generate_latest(state.metrics), media_type="text/plain; version=0.0.4; charset=utf-8"
-    )
+        state.metrics = Metrics(state.supervisor, state.log_feed)
+    body = await state.metrics.render()
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

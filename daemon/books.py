@@ -25,6 +25,7 @@ from .messages import (
     OrphansKilled,
     RestartRequested,
     SaveAgain,
+    ServerFiguresRead,
     ShutdownRequested,
     StartRequested,
     StateSaved,
@@ -68,17 +69,23 @@ class Books:
         self.last_failed_launch: str | None = None
         self.rolled_back_from: str | None = None
         self.failures = 0
-        self.restarts = 0
+        self.restarts = 0  # relaunches of the same config: retries and requested restarts
+        self.swaps = 0  # swaps to another config, counted apart
+        self.rollbacks = 0
         self.crash_loop = False
         self.next_retry_at: float | None = None
         self.last_exit: dict[str, Any] | None = None
         self.exits_by_reason: dict[str, int] = {}
         self.ready_times: list[float] = []
+        self.ready_by_config: dict[str, float] = {}  # each config's last launch-to-ready
         self.history = LaunchHistory()
         self.launch_seq = 0
         self.stop_ticket = 0
         self.active_sweep: str | None = None
+        # The current launch's own figures (Decode batch lines, SGLang's /metrics), reset at
+        # every launch and stamped with when they were read: no launch shows another's.
         self.server_metrics: dict[str, Any] = {}
+        self.server_metrics_mono: float | None = None
         self.gpu_snapshot = GpuSnapshot()
         self.gpu_tree_pids: frozenset[int] = frozenset()  # the sampled launch tree (`ours`)
         self.gpu_pids_unresolved = False
@@ -192,6 +199,35 @@ class Books:
                     "exit": self.last_exit,
                 },
             )
+
+    def count_relaunch(self) -> None:
+        """A relaunch of the same config is a restart; a swap was counted when it was asked."""
+        if self.swap is None or not self.swap.is_swap:
+            self.restarts += 1
+
+    def note_ready(self, config: str, took: float) -> None:
+        self.ready_times = [*self.ready_times[-99:], took]
+        self.ready_by_config[config] = took
+
+    def note_figures(self, launch: Launch, figures: dict[str, Any], source: str) -> None:
+        """The server's figures, of this launch only: merged over what it reported before."""
+        self.server_metrics = {
+            **self.server_metrics,
+            **figures,
+            "source": source,
+            "config": launch.config.name,
+            "launch_id": launch.launch_id or None,
+            "at": utc_iso(self.clock.time()),
+        }
+        self.server_metrics_mono = self.clock.monotonic()
+
+    def on_server_figures_read(self, msg: ServerFiguresRead) -> bool:
+        """Figures read from the server's own /metrics; dropped when their launch is gone."""
+        launch = self.current(msg.gen)
+        if launch is None or not launch.running:
+            return False
+        self.note_figures(launch, dict(msg.figures), "sglang_metrics")
+        return True
 
     def protected_logs(self) -> set[str]:
         current = self.launch.launch_id if self.launch else None

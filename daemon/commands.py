@@ -127,6 +127,8 @@ def restart(m: Machine, msg: RestartRequested) -> dict[str, Any]:
         rollback_to=serving.config if serving else last_good,
     )
     m.swap, m.rolled_back_from = swap, None
+    if swap.is_swap:
+        m.swaps += 1  # counted apart from restarts (a relaunch of the same config)
     kind = "swap" if swap.is_swap else "restart"
     m.event(kind, swap_id=swap.id, from_config=current, to_config=cfg.name)
     m.failures, m.crash_loop = 0, False

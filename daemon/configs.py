@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import ValidationError
@@ -102,6 +103,15 @@ class ResolvedConfig:
             return self.config.health.url
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/health"
+
+    @property
+    def metrics_url(self) -> str | None:
+        """The server's own Prometheus endpoint, when its argv turns it on (SGLang's
+        `--enable-metrics`): the health URL's scheme, host and port, path `/metrics`."""
+        if "--enable-metrics" not in self.argv:
+            return None
+        parts = urlsplit(self.health_url)
+        return urlunsplit((parts.scheme, parts.netloc, "/metrics", "", ""))
 
     @property
     def gpus(self) -> list[str] | None:

@@ -48,6 +48,7 @@ class Machine(Books):
         self.gen += 1
         swap = self.swap if self.swap is not None and self.swap.active else None
         self.launch = Launch(gen=self.gen, config=cfg, swap=swap, rollback=rollback)
+        self.server_metrics, self.server_metrics_mono = {}, None  # each launch's own figures
         if swap is not None and swap.phase != SwapPhase.ROLLING_BACK:
             self.set_phase(swap, SwapPhase.WAITING_GPU)  # STOPPING -> WAITING_GPU
         if self.state != S.WAITING_GPU:
@@ -128,8 +129,7 @@ class Machine(Books):
         if launch is None:
             return
         if msg.parsed.decode is not None:
-            at = utc_iso(self.clock.time())
-            self.server_metrics = {**decode_metrics(msg.parsed.decode), "at": at}
+            self.note_figures(launch, decode_metrics(msg.parsed.decode), "log")
         if msg.parsed.death:
             self._death_announced(launch, launch.redactor.text(strip_prefix(msg.line).strip()))
         elif msg.parsed.ready and self.state == S.STARTING:
@@ -210,7 +210,7 @@ class Machine(Books):
         self.host.end_tasks(launch)
         took = launch.ready_mono - (launch.started_mono or launch.ready_mono)
         self.transition(S.READY, via=how, time_to_ready_s=round(took, 3))  # STARTING -> READY
-        self.ready_times = [*self.ready_times[-99:], took]
+        self.note_ready(launch.config.name, took)
         swap = launch.swap
         if swap is not None and swap.active and launch.rollback:
             self.settle_swap("rolled_back", swap.outcome_reason, swap.outcome_evidence)
@@ -364,7 +364,7 @@ class Machine(Books):
             self.transition(S.STOPPED, reason=verdict.reason)  # STOPPING -> STOPPED
         elif nxt == Next.RELAUNCH:
             assert launch.next_config is not None
-            self.restarts += 1
+            self.count_relaunch()
             self.begin_attempt(launch.next_config)  # STOPPING -> WAITING_GPU
         elif nxt == Next.SHUTDOWN:
             self.transition(S.STOPPED, reason="daemon shutdown")  # STOPPING -> STOPPED
@@ -437,7 +437,7 @@ class Machine(Books):
         self.set_phase(
             swap, SwapPhase.ROLLING_BACK
         )  # STOPPING|WAITING_GPU|STARTING -> ROLLING_BACK
-        self.rolled_back_from = failed
+        self.rolled_back_from, self.rollbacks = failed, self.rollbacks + 1
         self.event("rollback", swap_id=swap.id, from_config=failed, to_config=target,
                    reason=verdict.reason, evidence=verdict.evidence)  # fmt: skip
         self.set_intent(target, True)

@@ -222,6 +222,15 @@ class SweepEnded:
 
 
 @dataclass(frozen=True)
+class ServerFiguresRead:
+    """The server's figures, read from its own /metrics for launch `gen` (on a scrape)."""
+
+    gen: int
+    figures: dict[str, Any]
+    reply: asyncio.Future[Any] = field(default_factory=_future)
+
+
+@dataclass(frozen=True)
 class SaveAgain:
     """Retry a failed state.json write."""
 
@@ -254,4 +263,5 @@ Message = (
     | SweepBegan
     | SweepEnded
     | SaveAgain
+    | ServerFiguresRead
 )

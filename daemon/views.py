@@ -48,6 +48,8 @@ class Snapshot:
     rolled_back_from: str | None
     swap: Mapping[str, Any] | None
     restarts: int
+    swaps: int
+    rollbacks: int
     failures: int
     crash_loop: bool
     next_retry_at: float | None
@@ -55,6 +57,7 @@ class Snapshot:
     last_sweep_killed: tuple[Mapping[str, Any], ...]
     exits_by_reason: Mapping[str, int]
     ready_times: tuple[float, ...]
+    ready_by_config: Mapping[str, float]
     history: tuple[Mapping[str, Any], ...]
     active_sweep: str | None
     gpu_snapshot: GpuSnapshot
@@ -62,7 +65,11 @@ class Snapshot:
     gpu_pids_unresolved: bool
     known_ours: Mapping[tuple[int, float], str]
     watching_ranks: bool
-    server_metrics: Mapping[str, Any]
+    server_metrics: Mapping[str, Any]  # the running launch's own figures, else empty
+    server_metrics_mono: float | None
+    metrics_url: str | None  # the running launch's own /metrics (with --enable-metrics)
+    probe_failures: int  # consecutive failed liveness probes of the serving launch
+    startup_timeout_s: float | None  # the launch's, while it starts
     write_errors: Mapping[str, str]
     write_failures: Mapping[str, int]
     internal_errors: int
@@ -71,6 +78,7 @@ class Snapshot:
 def take(m: Machine) -> Snapshot:
     launch = m.launch
     swap = m.swap
+    running = launch is not None and launch.running
     return Snapshot(
         state=m.state,
         state_since=m.state_since,
@@ -94,6 +102,8 @@ def take(m: Machine) -> Snapshot:
         rolled_back_from=m.rolled_back_from,
         swap=MappingProxyType(swap.view()) if swap is not None and swap.active else None,
         restarts=m.restarts,
+        swaps=m.swaps,
+        rollbacks=m.rollbacks,
         failures=m.failures,
         crash_loop=m.crash_loop,
         next_retry_at=m.next_retry_at,
@@ -101,6 +111,7 @@ def take(m: Machine) -> Snapshot:
         last_sweep_killed=tuple(m.last_sweep_killed),
         exits_by_reason=MappingProxyType(dict(m.exits_by_reason)),
         ready_times=tuple(m.ready_times),
+        ready_by_config=MappingProxyType(dict(m.ready_by_config)),
         history=m.history.entries(),
         active_sweep=m.active_sweep,
         gpu_snapshot=m.gpu_snapshot,
@@ -108,7 +119,11 @@ def take(m: Machine) -> Snapshot:
         gpu_pids_unresolved=m.gpu_pids_unresolved,
         known_ours=MappingProxyType(dict(m.known_ours)),
         watching_ranks=bool(launch is not None and launch.rank_gpus),
-        server_metrics=MappingProxyType(dict(m.server_metrics)),
+        server_metrics=MappingProxyType(dict(m.server_metrics) if running else {}),
+        server_metrics_mono=m.server_metrics_mono if running else None,
+        metrics_url=launch.config.metrics_url if launch is not None and running else None,
+        probe_failures=launch.probe_failures if launch is not None and running else 0,
+        startup_timeout_s=launch.config.config.health.startup_timeout_s if launch else None,
         write_errors=MappingProxyType(dict(m.write_errors)),
         write_failures=MappingProxyType(dict(m.write_failures)),
         internal_errors=m.internal_errors,
@@ -147,6 +162,8 @@ def status_fixed(snap: Snapshot, *, gpu_backend: str) -> dict[str, Any]:
         "ready_at": utc_iso(snap.ready_at),
         "uptime_s": None,
         "restarts": snap.restarts,
+        "swaps": snap.swaps,
+        "rollbacks": snap.rollbacks,
         "failures": snap.failures,
         "crash_loop": snap.crash_loop,
         "next_retry_at": utc_iso(snap.next_retry_at),
@@ -162,7 +179,7 @@ def status_fixed(snap: Snapshot, *, gpu_backend: str) -> dict[str, Any]:
         "gpu_error": snap.gpu_snapshot.error,
         "gpu_snapshot_age_s": None,
         "gpu_pids_unresolved": snap.gpu_pids_unresolved,
-        "server_metrics": dict(snap.server_metrics) or None,
+        "server_metrics": None,
         "write_errors": dict(snap.write_errors),
         "internal_errors": snap.internal_errors,
         "supervising": None,
@@ -188,8 +205,16 @@ def status_now(
         "uptime_s": uptime,
         "sweep": {k: sweep[k] for k in ("id", "done", "total", "current")} if sweep else None,
         "gpu_snapshot_age_s": round(max(0.0, real_mono - snap.gpu_snapshot.taken_at), 3),
+        "server_metrics": server_metrics(snap, now_mono),
         "supervising": supervising,
     }
+
+
+def server_metrics(snap: Snapshot, now_mono: float) -> dict[str, Any] | None:
+    """The running launch's figures with their age (`age_s`), or None before it reported any."""
+    if not snap.server_metrics or snap.server_metrics_mono is None:
+        return None
+    return {**snap.server_metrics, "age_s": round(max(0.0, now_mono - snap.server_metrics_mono), 3)}
 
 
 def ring_lines(snap: Snapshot, n: int) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,18 @@ import pytest
 from gpuwarden.standin import fakegpu
 
 PY = sys.executable
+
+
+def require_tool(name: str) -> str:
+    """The path of a system tool a test needs. Where it is missing the test is skipped, saying
+    why; in CI (`CI=true`, set by .ci/run, which installs the tools) that is a failure."""
+    path = shutil.which(name)
+    if path is None:
+        why = f"{name} is not installed (.ci/run installs it from Debian)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why + "; CI requires it")
+        pytest.skip(why)
+    return path
 
 
 def free_port() -> int:

@@ -236,7 +236,7 @@ def test_configs_view_check_events_and_metrics(
     assert families["gpuwarden_state"].samples
     ready = [s for s in families["gpuwarden_state"].samples if s.labels["state"] == "ready"]
     assert ready[0].value == 1.0
-    assert "gpuwarden_gpu_memory_used_mib" in families
+    assert "gpuwarden_gpu_memory_used_bytes" in families
 
 
 def test_logs_previous_and_stream(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
