@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +29,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def require_tool(name: str) -> str:
+    """The path of a system tool a test needs. Where it is missing the test is skipped, saying
+    why; in CI (CI=true, where .ci/run installs it) a missing tool fails the test instead."""
+    found = shutil.which(name)
+    if found is None:
+        reason = f"{name} is not installed (.ci/run installs it from Debian)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason}; CI requires it")
+        pytest.skip(reason)
+    return found
 
 
 def alive(pid: int) -> bool:
