@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from . import boot, errors, reading, saved, views
+from . import boot, errors, ownership, reading, saved, views
 from . import child as childmod
 from . import messages as msgs
 from .clock import Clock, SystemClock
@@ -285,11 +285,20 @@ class Supervisor:
 
     def status(self) -> dict[str, Any]:
         sweep = self._sweep[1]() if self._sweep is not None else None
+        snap = self.snapshot()
+        our_pids = self._trees.pids(snap.pid)
         return views.status(
-            self.snapshot(),
+            snap,
             now_mono=self.clock.monotonic(),
             real_mono=self.host.real.monotonic(),
-            our_pids=self._trees.pids(self.snapshot().pid),
+            our_pids=our_pids,
+            orphan_pids=frozenset(
+                p.pid
+                for g in snap.gpu_snapshot.gpus
+                for p in g.processes
+                if p.pid not in our_pids
+                and ownership.ours(p.pid, snap.known_ours, snap.gpu_pids_unresolved)
+            ),
             gpu_backend=self.gpu.name,
             sweep=sweep,
             supervising=self.stuck() is None,

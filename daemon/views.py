@@ -119,6 +119,7 @@ def status(
     now_mono: float,
     real_mono: float,
     our_pids: frozenset[int],
+    orphan_pids: frozenset[int] = frozenset(),
     gpu_backend: str,
     sweep: dict[str, Any] | None,
     supervising: bool,
@@ -135,7 +136,13 @@ def status(
             "total_mib": g.total_mib,
             "utilization_pct": g.utilization_pct,
             "processes": [
-                {"pid": p.pid, "name": p.name, "used_mib": p.used_mib, "ours": p.pid in our_pids}
+                {
+                    "pid": p.pid,
+                    "name": p.name,
+                    "used_mib": p.used_mib,
+                    "ours": p.pid in our_pids,
+                    "holder": holder(p.pid, our_pids, orphan_pids),
+                }
                 for p in g.processes
             ],
         }
@@ -171,6 +178,15 @@ def status(
         "internal_errors": snap.internal_errors,
         "supervising": supervising,
     }
+
+
+def holder(pid: int, our_pids: frozenset[int], orphan_pids: frozenset[int]) -> str:
+    """Who holds GPU memory: `ours` (the running server's tree), `orphan` (a process of an
+    earlier launch, by pid and create time: killed before the next launch) or `foreign`
+    (never ours, never killed)."""
+    if pid in our_pids:
+        return "ours"
+    return "orphan" if pid in orphan_pids else "foreign"
 
 
 def ring_lines(snap: Snapshot, n: int) -> list[str]:
