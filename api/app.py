@@ -49,7 +49,7 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
         title="gpuwarden",
         summary="Supervises an SGLang inference server on a GPU host.",
         version="0.1.0",
-        # Served by routes_ui with their assets from this daemon, never from a CDN.
+        # /docs is served by routes_ui with its assets from this daemon, never from a CDN.
         docs_url=None,
         redoc_url=None,
     )

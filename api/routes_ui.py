@@ -1,9 +1,10 @@
-"""The dashboard (`/ui`) and the API's own docs (`/docs`, `/redoc`), with every asset served here.
+"""The dashboard (`/ui`) and the API's own docs (`/docs`), with every asset served here.
 
 An air-gapped GPU host has no CDN: the dashboard is plain HTML, CSS and JavaScript shipped in
-this package (`api/ui/`), and Swagger UI's and ReDoc's bundles come from the `fastapi-offline`
-package's files. The dashboard's shell and these assets hold no data, so the guard serves them
-without the token (`guard.TOKEN_FREE`); every request the page makes for data carries it.
+this package (`api/ui/`), and Swagger UI's bundle comes from the `fastapi-offline` package's
+files. There is no `/redoc`: ReDoc's bundle loads its logo from a CDN whatever it is told.
+The dashboard's shell and these assets hold no data, so the guard serves them without the
+token (`guard.TOKEN_FREE`); every request the page makes for data carries it.
 """
 
 from __future__ import annotations
@@ -16,11 +17,7 @@ from typing import Annotated
 
 from fastapi import APIRouter
 from fastapi import Path as PathParam
-from fastapi.openapi.docs import (
-    get_redoc_html,
-    get_swagger_ui_html,
-    get_swagger_ui_oauth2_redirect_html,
-)
+from fastapi.openapi.docs import get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
 from fastapi.responses import FileResponse, HTMLResponse, Response
 
 from gpuwarden.api.models import errors
@@ -35,7 +32,6 @@ UI_ASSETS = {
 DOCS_ASSETS = {
     "swagger-ui-bundle.js": "text/javascript; charset=utf-8",
     "swagger-ui.css": "text/css; charset=utf-8",
-    "redoc.standalone.js": "text/javascript; charset=utf-8",
     "favicon.png": "image/png",
 }
 # The page talks to this daemon only; images are the sweep charts, fetched with the token and
@@ -50,7 +46,7 @@ AssetName = Annotated[str, PathParam(pattern=r"^[a-z0-9.-]+$")]
 
 
 def _ui_file(name: str) -> bytes:
-    return (resources.files(__package__) / "ui" / name).read_bytes()
+    return (resources.files("gpuwarden.api.ui") / name).read_bytes()
 
 
 @cache
@@ -114,14 +110,3 @@ async def docs() -> HTMLResponse:
 @router.get("/docs/oauth2-redirect", include_in_schema=False)
 async def docs_oauth2_redirect() -> HTMLResponse:
     return get_swagger_ui_oauth2_redirect_html()
-
-
-@router.get("/redoc", include_in_schema=False)
-async def redoc() -> HTMLResponse:
-    return get_redoc_html(
-        openapi_url="/openapi.json",
-        title="gpuwarden - ReDoc",
-        redoc_js_url="/docs/assets/redoc.standalone.js",
-        redoc_favicon_url="/docs/assets/favicon.png",
-        with_google_fonts=False,
-    )
