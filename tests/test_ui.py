@@ -85,6 +85,7 @@ def screenshot(page: Any, name: str) -> Path:
 
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
+    page.evaluate("window.scrollTo(0, 0)")  # the sticky header at the top of the picture
     png = page.screenshot(path=str(path), full_page=True)
     image = Image.open(io.BytesIO(png)).convert("RGB")
     width = page.viewport_size["width"]
