@@ -22,6 +22,7 @@ from gpuwarden.api import (
     routes_logs,
     routes_status,
     routes_sweeps,
+    routes_ui,
 )
 from gpuwarden.api.auth import bearer, read_token
 from gpuwarden.api.guard import Guard, policy_for
@@ -48,6 +49,9 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
         title="gpuwarden",
         summary="Supervises an SGLang inference server on a GPU host.",
         version="0.1.0",
+        # /docs is served by routes_ui with its assets from this daemon, never from a CDN.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.supervisor = supervisor
     app.state.settings = settings
@@ -66,6 +70,8 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
     # /chat may authenticate from its body (a form's verification token): the guard lets it
     # through without a bearer, its body bounded, and the route decides.
     app.include_router(routes_chat.public, responses=errors(403, 413))
+    # The dashboard's shell and assets, and the docs: the guard decides which need the token.
+    app.include_router(routes_ui.router, responses=errors(413))
     for module in (
         routes_status,
         routes_control,

@@ -27,6 +27,10 @@ from gpuwarden.daemon.settings import Settings
 
 # Container and Kubernetes probes name the pod's address, which no setting can know.
 PROBES = frozenset({"/healthz", "/readyz"})
+# The dashboard's shell and the docs' bundles hold no data: a browser loads them without the
+# token, and the page then sends it with every request for data (routes_ui.py).
+TOKEN_FREE = frozenset({"/ui"})
+TOKEN_FREE_PREFIXES = ("/ui/", "/docs/assets/")
 STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
@@ -86,6 +90,7 @@ class Guard:
             policy.token is not None
             and path not in PROBES
             and path not in policy.body_auth_paths
+            and not token_free(path)
             and not bearer_matches(policy.token, headers.get("authorization"))
         ):
             return Refusal(
@@ -138,6 +143,10 @@ class Guard:
         # A client that left, was timed out or was cut off mid-body: nobody to answer.
         with contextlib.suppress(ClientDisconnect):
             await self.app(scope, receive_bounded, send_unless_answered)
+
+
+def token_free(path: str) -> bool:
+    return path in TOKEN_FREE or path.startswith(TOKEN_FREE_PREFIXES)
 
 
 def too_large(limit: int) -> Refusal:
