@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from . import follow, render
 from .target import ClientError, call, connect, global_flags, resolve_target
 from .transport import ConnectFailed, InvalidUrl, TransportError
 
@@ -28,7 +29,18 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "restart", parents=[common], help="restart the current config, or swap to CONFIG"
     )
     p.add_argument("config", nargs="?")
-    p.add_argument("--wait", action="store_true", help="wait for the outcome (1 if not ready)")
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for the outcome, showing progress (1 on a rollback or failure); a swap is "
+        "waited for through its probation",
+    )
+    p.add_argument(
+        "--no-probation",
+        dest="probation",
+        action="store_false",
+        help="with --wait: stop waiting at ready, before the probation is over",
+    )
     p.set_defaults(func=cmd_restart)
 
     p = sub.add_parser("start", parents=[common], help="start CONFIG (or the saved one)")
@@ -132,19 +144,27 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_restart(args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"wait": "true" if args.wait else "false"}
+    if args.wait:
+        params["probation"] = "true" if args.probation else "false"
     if args.config:
         params["config"] = args.config
-    res = call(args, "POST", "/restart", params=params, timeout=None if args.wait else 30.0)
-    data = res.json()
+    if args.wait:
+        data = follow.restart_waiting(args, params)
+    else:
+        data = call(args, "POST", "/restart", params=params).json()
     if args.json:
         _print_json(data)
     elif args.wait:
-        print(f"{data['outcome']}: {data.get('evidence') or data.get('reason') or ''}".rstrip(": "))
+        took = f" after {render.duration(data['elapsed_s'])}" if "elapsed_s" in data else ""
+        print(f"{data['outcome']}: {data.get('evidence') or data.get('reason') or ''}{took}")
     else:
         print(f"accepted: {data.get('swap_id')} -> {data.get('config')} ({data.get('state')})")
     if args.wait and data.get("outcome") != "ready":
+        why = data.get("evidence") or ""
         print(
-            f"gpuwarden: restart ended {data.get('outcome')}: {data.get('reason')}", file=sys.stderr
+            f"gpuwarden: restart ended {data.get('outcome')}: {data.get('reason')}"
+            + (f" ({why})" if why else ""),
+            file=sys.stderr,
         )
         return 1
     return 0

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
 import subprocess
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 from .conftest import PY, Proc, free_port
 from .daemon_harness import Daemon, standin_config, start_daemon
@@ -148,3 +153,108 @@ def test_status_imports_neither_the_control_plane_nor_the_daemon_core() -> None:
     assert loaded == [], loaded
     daemon = [m for m in out["modules"] if m.startswith("gpuwarden.daemon")]
     assert daemon == [], daemon
+
+
+def cli_on_tty(*args: str | Path, which: str = "stdout") -> tuple[int, str, str]:
+    """Run with `which` (stdout or stderr) a terminal (a pty), the other a pipe: what the
+    command writes for a person at a terminal. Returns (rc, tty text, pipe text)."""
+    master, slave = pty.openpty()
+    kw: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    kw[which] = slave
+    env = {k: v for k, v in _env().items() if k != "NO_COLOR"}
+    env["TERM"] = "xterm"
+    proc = subprocess.Popen(
+        [PY, "-m", "gpuwarden.api.cli", *map(str, args)], stdin=subprocess.DEVNULL, env=env, **kw
+    )
+    os.close(slave)
+    other = proc.stderr if which == "stdout" else proc.stdout
+    assert other is not None
+    pipe_text: list[bytes] = []
+    reader = threading.Thread(target=lambda: pipe_text.append(other.read()), daemon=True)
+    reader.start()
+    chunks = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 1)
+        if not ready:
+            continue
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the terminal's last writer is gone
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    rc = proc.wait(30)
+    reader.join(30)
+    return rc, b"".join(chunks).decode(errors="replace"), b"".join(pipe_text).decode()
+
+
+def swap_daemon(procs: list[Proc], tmp_path: Path, fake_gpu: Path, probation_s: float) -> Daemon:
+    """good (serving) and flaky (ready, then a scheduler crash 1 s later), on one port."""
+    port = free_port()
+    configs = {
+        "good": standin_config(port=port),
+        "flaky": standin_config("--standin-crash-after=1.0", port=port),
+        "slow": standin_config(port=port, scale=0.3),
+    }
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        configs,
+        default="good",
+        restart={"probation_s": probation_s, "initial_delay_s": 30},
+    )
+    d.wait_state("ready")
+    return d
+
+
+def test_restart_wait_reports_a_rollback_inside_probation_as_a_failure(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """Before: `restart --wait` answered `ready`, exit 0, for a config that crashed and was
+    rolled back a second later, inside its probation."""
+    d = swap_daemon(procs, tmp_path, fake_gpu, probation_s=5)
+    mark = d.mark()
+    res = cli("restart", "flaky", "--wait", "--url", d.url)
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert res.stdout.startswith("rolled_back: "), res.stdout
+    assert "illegal memory access" in res.stdout
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("gpuwarden: restart ended rolled_back: crash"), res.stderr
+    # Progress while it waited, a plain line per change on a stderr that is not a terminal.
+    assert "ready · on probation" in res.stderr and "\r" not in res.stderr, res.stderr
+    rollback = d.wait_event("server.rollback", after=mark)
+    assert rollback["from_config"] == "flaky"
+    st = d.status()
+    assert (st["state"], st["config"], st["last_good_config"]) == ("ready", "good", "good")
+
+    # Over HTTP, the same; probation=false answers at ready, as before.
+    body = d.http.post("/restart", params={"config": "flaky", "wait": "true"}).json()
+    assert (body["outcome"], body["reason"], body["state"]) == ("rolled_back", "crash", "ready")
+    assert len(body["launch_ids"]) == 2  # flaky's launch and the rollback's
+    mark = d.mark()
+    res = cli("restart", "flaky", "--wait", "--no-probation", "--url", d.url)
+    assert res.returncode == 0 and res.stdout.startswith("ready: flaky is ready"), res.stderr
+    d.wait_state("ready", after=d.wait_event("server.rollback", after=mark)["_index"])
+
+
+def test_restart_wait_through_a_probation_that_passes_is_ready(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    d = swap_daemon(procs, tmp_path, fake_gpu, probation_s=1)
+    res = cli("restart", "slow", "--wait", "--url", d.url, "--json")
+    assert res.returncode == 0, res.stderr
+    body = json.loads(res.stdout)
+    assert body["outcome"] == "ready" and "survived its probation" in body["evidence"]
+    assert res.stderr == ""  # --json: no progress
+    assert d.status()["last_good_config"] == "slow"  # it answered after probation passed
+    # On a terminal the progress is one line rewritten in place, with the loading phase.
+    rc, tty, out = cli_on_tty("restart", "good", "--wait", "--url", d.url, which="stderr")
+    assert rc == 0 and out.startswith("ready: good is ready and survived its probation"), out
+    assert "\r\x1b[K[" in tty and "· ready · on probation" in tty, tty
+    assert tty.endswith("\r\x1b[K")  # the line is cleared before the outcome is printed
+    rc, tty, _ = cli_on_tty("restart", "slow", "--wait", "--url", d.url, which="stderr")
+    assert rc == 0 and "starting · loading weights" in tty, tty
