@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import subprocess
 import threading
@@ -127,7 +128,16 @@ def test_a_reader_that_stops_reading_ends_every_printing_command_quietly(
 
 # The modules of the control plane and the supervisor: `gpuwarden status --url` needs none of
 # them, and importing them took most of a second before the command could send its request.
-SERVER_SIDE = ("fastapi", "uvicorn", "starlette", "pydantic", "pydantic_settings", "httpx")
+# Nor rich: the CLI's tables and progress lines are its own few lines of standard library.
+SERVER_SIDE = (
+    "fastapi",
+    "uvicorn",
+    "starlette",
+    "pydantic",
+    "pydantic_settings",
+    "httpx",
+    "rich",
+)
 
 STATUS_THEN_MODULES = """
 import json, sys
@@ -258,3 +268,67 @@ def test_restart_wait_through_a_probation_that_passes_is_ready(
     assert tty.endswith("\r\x1b[K")  # the line is cleared before the outcome is printed
     rc, tty, _ = cli_on_tty("restart", "slow", "--wait", "--url", d.url, which="stderr")
     assert rc == 0 and "starting · loading weights" in tty, tty
+
+
+def test_status_exits_3_unless_ready_with_human_durations(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """Before: `gpuwarden status` exited 0 while `failed`; systemctl status exits 3."""
+    port = free_port()
+    configs = {
+        "good": standin_config(port=port),
+        "oom": standin_config("--standin-crash-on-load=cuda_oom", port=port),
+        "bad": standin_config("--speculative-eagle-top-k=4", port=port),
+    }
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        configs,
+        default="good",
+        restart={"initial_delay_s": 30, "max_delay_s": 60},
+    )
+    d.wait_state("ready")
+    res = cli("status", "--url", d.url)
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"^state\s+ready  up \d+s$", res.stdout, re.M), res.stdout
+    assert "\x1b[" not in res.stdout  # not a terminal: plain text
+    assert cli("status", "--url", d.url, "--json").returncode == 0
+    rc, tty, _ = cli_on_tty("status", "--url", d.url)
+    assert rc == 0 and "\x1b[32mready\x1b[0m" in tty, tty
+
+    mark = d.mark()
+    assert d.http.post("/stop").status_code == 202
+    d.wait_state("stopped", after=mark)
+    assert cli("status", "--url", d.url).returncode == 3
+    assert cli("status", "--url", d.url, "--json").returncode == 3
+
+    mark = d.mark()
+    assert d.http.post("/start", params={"config": "oom"}).status_code == 202
+    d.wait_state("backoff", after=mark)  # a start's failure follows the restart policy
+    res = cli("status", "--url", d.url)
+    assert res.returncode == 3, res.stdout
+    assert re.search(r"next retry in (29|30)s", res.stdout), res.stdout
+    assert re.search(r"cuda_oom: .*CUDA out of memory.*\(\d+s ago\)", res.stdout), res.stdout
+
+    mark = d.mark()
+    assert d.http.post("/stop").status_code == 202
+    d.wait_state("stopped", after=mark)
+    d.http.post("/start", params={"config": "bad"})
+    d.wait_state("failed", after=mark)
+    res = cli("status", "--url", d.url)
+    assert res.returncode == 3 and re.search(r"^state\s+failed$", res.stdout, re.M), res.stdout
+    rc, tty, _ = cli_on_tty("status", "--url", d.url)
+    assert rc == 3 and "\x1b[31mfailed\x1b[0m" in tty, tty
+
+
+def test_sweep_shows_progress_then_the_table(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    d = start_daemon(procs, tmp_path, fake_gpu, {"c": standin_config()}, default="c")
+    d.wait_state("ready")
+    argv = ["sweep", "c", "--requests", "1", "--warmup", "0", "--max-tokens", "8", "--url", d.url]
+    res = cli(*argv)
+    assert res.returncode == 0, res.stderr
+    assert "| c |" in res.stdout and "files: " in res.stdout, res.stdout
+    assert re.search(r"^\[\d+s\] sweep-\S+: [01]/1 · (c|finishing)$", res.stderr, re.M), res.stderr
