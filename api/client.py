@@ -63,6 +63,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
     p = sub.add_parser("events", parents=[common], help="recent events")
     p.add_argument("-n", "--limit", type=int, default=30)
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
     p.set_defaults(func=cmd_events)
 
     p = sub.add_parser("configs", parents=[common], help="the named configs")
@@ -234,19 +235,16 @@ def _follow(args: argparse.Namespace) -> int:
 
 def cmd_events(args: argparse.Namespace) -> int:
     data = call(args, "GET", "/events", params={"limit": args.limit}).json()
-    if args.json:
+    if args.json and args.follow:  # one JSON object per line, as the follow goes on
+        for e in data["events"]:
+            print(json.dumps(e, default=str), flush=True)
+    elif args.json:
         _print_json(data)
-        return 0
-    rows = []
-    for e in data["events"]:
-        rest = {
-            k: v for k, v in e.items() if k not in ("seq", "ts", "event", "config", "launch_id")
-        }
-        summary = " ".join(f"{k}={v}" for k, v in rest.items())
-        rows.append(
-            (str(e.get("ts", ""))[11:23], e["event"], str(e.get("config") or ""), summary[:110])
-        )
-    _table(rows, ("time", "event", "config", ""))
+    else:
+        _table([follow.event_row(e) for e in data["events"]], ("time", "event", "config", ""))
+        sys.stdout.flush()
+    if args.follow:
+        return follow.follow_events(args, data["events"])
     return 0
 
 

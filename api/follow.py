@@ -1,4 +1,4 @@
-"""The CLI commands that keep watching: `restart --wait` with its progress.
+"""The CLI commands that keep watching: `restart --wait` with its progress, `events -f`.
 
 `restart --wait` sends `POST /restart?wait=true` (the daemon answers once the restart has
 settled, and by default once a swapped-in config has passed its probation) and, while that
@@ -20,6 +20,7 @@ from . import render
 from .target import ClientError, call
 
 POLL_S = 0.5
+EVENTS_PAGE = 500
 
 # SGLang's (and the stand-in's) loading, in order; the latest line that names one wins.
 PHASES = (
@@ -138,3 +139,32 @@ def restart_waiting(args: argparse.Namespace, params: dict[str, Any]) -> dict[st
     data: dict[str, Any] = answer["data"]
     data["elapsed_s"] = round(time.monotonic() - t0, 3)
     return data
+
+
+def event_row(e: dict[str, Any]) -> tuple[str, str, str, str]:
+    rest = {k: v for k, v in e.items() if k not in ("seq", "ts", "event", "config", "launch_id")}
+    summary = " ".join(f"{k}={v}" for k, v in rest.items())
+    return str(e.get("ts", ""))[11:23], e["event"], str(e.get("config") or ""), summary[:110]
+
+
+def follow_events(args: argparse.Namespace, shown: list[dict[str, Any]]) -> int:
+    """After the events already printed, print each new one as it is recorded, until Ctrl-C.
+    The cursor is the last event's `seq` (`GET /events?after=SEQ`)."""
+    cursor = max((int(e.get("seq", 0) or 0) for e in shown), default=0)
+    try:
+        while True:
+            page = call(
+                args, "GET", "/events", params={"after": cursor, "limit": EVENTS_PAGE}
+            ).json()["events"]
+            for e in page:
+                cursor = max(cursor, int(e.get("seq", 0) or 0))
+                if args.json:
+                    import json  # noqa: PLC0415
+
+                    print(json.dumps(e, default=str), flush=True)
+                else:
+                    print("  ".join(event_row(e)).rstrip(), flush=True)
+            if len(page) < EVENTS_PAGE:
+                time.sleep(POLL_S)  # the next poll: nothing announces a new event to a client
+    except KeyboardInterrupt:
+        return 0

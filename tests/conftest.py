@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -58,6 +59,18 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(step)
+
+
+def require_tool(name: str) -> str:
+    """The path of a system tool a test needs. Where it is missing the test skips, saying so;
+    in CI (CI=true, where .ci/run installs it from Debian) that is a failure instead."""
+    path = shutil.which(name)
+    if path is None:
+        reason = f"{name} is not installed"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason}; CI installs it (.ci/run)")
+        pytest.skip(reason)
+    return path
 
 
 class Proc:

@@ -7,13 +7,15 @@ import os
 import pty
 import re
 import select
+import signal
 import subprocess
 import threading
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from .conftest import PY, Proc, free_port
+from .conftest import PY, Proc, free_port, require_tool
 from .daemon_harness import Daemon, standin_config, start_daemon
 
 
@@ -332,3 +334,74 @@ def test_sweep_shows_progress_then_the_table(
     assert res.returncode == 0, res.stderr
     assert "| c |" in res.stdout and "files: " in res.stdout, res.stdout
     assert re.search(r"^\[\d+s\] sweep-\S+: [01]/1 · (c|finishing)$", res.stderr, re.M), res.stderr
+
+
+def test_events_follow_prints_each_new_event_until_ctrl_c(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    d = guarded_daemon(procs, tmp_path, fake_gpu, default="c")
+    d.wait_state("ready")
+    token = tmp_path / "token"
+    follower = Proc(
+        [PY, "-m", "gpuwarden.api.cli", "events", "-f", "-n", "3", "--url", d.url,
+         "--token-file", str(token)],
+        env=_env(),
+    )  # fmt: skip
+    procs.append(follower)
+    follower.wait_for(r"^time\s+event\s+config", timeout=30)  # the last 3, then the follow
+    seen = d.http.get(
+        "/events", params={"limit": 1}, headers={"Authorization": "Bearer tok-cli-123"}
+    )
+    last_seq = seen.json()["events"][-1]["seq"]
+    res = cli("restart", "--url", d.url, "--token-file", token)
+    assert res.returncode == 0, res.stderr
+    swap_id = res.stdout.split()[1]
+    follower.wait_for(rf"\brestart\s+c\s+swap_id={swap_id}\b", timeout=30)
+    follower.wait_for(r"\bstate\b.*\bto=ready\b|\bready\b", timeout=30)
+    follower.signal(signal.SIGINT)
+    assert follower.wait(10) == 0
+    assert follower.text("stderr") == ""
+    # Each event once: the cursor is the seq; the events printed are the ones that followed.
+    restarts = [ln for _, ln in follower.lines if f"swap_id={swap_id}" in ln and " restart " in ln]
+    assert len(restarts) == 1, follower.text()
+    after = d.http.get(
+        "/events", params={"after": last_seq, "limit": 1},
+        headers={"Authorization": "Bearer tok-cli-123"},
+    ).json()["events"]  # fmt: skip
+    assert after and after[0]["seq"] == last_seq + 1
+
+
+def test_version_is_the_package_version() -> None:
+    res = cli("--version")
+    assert (res.returncode, res.stdout) == (0, f"gpuwarden {version('gpuwarden')}\n")
+
+
+COMPLETE = """
+source <({py} -m gpuwarden.api.cli completion bash)
+COMP_WORDS=({words}); COMP_CWORD=$((${{#COMP_WORDS[@]}} - 1))
+_gpuwarden
+printf '%s\\n' "${{COMPREPLY[@]}}"
+"""
+
+
+def test_bash_completion_is_made_from_the_parser(tmp_path: Path) -> None:
+    bash = require_tool("bash")
+
+    def complete(words: str) -> list[str]:
+        res = subprocess.run(
+            [bash, "--norc", "-c", COMPLETE.format(py=PY, words=words)],
+            capture_output=True, text=True, timeout=60, check=False, env=_env(),
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        return res.stdout.split()
+
+    assert complete("gpuwarden res") == ["restart"]
+    assert complete("gpuwarden --url http://x st") == ["status", "start", "stop"]
+    assert complete("gpuwarden restart --no") == ["--no-probation"]
+    assert complete("gpuwarden events --f") == ["--follow"]
+    assert complete("gpuwarden completion ''") == ["bash", "zsh", "-h", "--help"]
+    assert complete("gpuwarden --v") == ["--version"]
+    (tmp_path / "settings.yaml").touch()
+    assert complete(f"gpuwarden status --settings {tmp_path}/sett") == [f"{tmp_path}/settings.yaml"]
+    zsh = cli("completion", "zsh")
+    assert zsh.returncode == 0 and "bashcompinit" in zsh.stdout and "complete -F" in zsh.stdout
