@@ -135,6 +135,9 @@ def test_dockerfile_passes_hadolint() -> None:
     for ignore in [line for line in text.splitlines() if "hadolint ignore" in line]:
         index = text.splitlines().index(ignore)
         assert text.splitlines()[index - 1].startswith("#"), f"unexplained: {ignore}"
+    # The container is healthy while its server is ready, not merely while the daemon runs.
+    checks = [ln for ln in text.splitlines() if "urlopen(" in ln]
+    assert len(checks) == 2 and all("/readyz'" in ln for ln in checks), checks
 
 
 def test_sd_notify_ready_status_watchdog_stopping(
