@@ -31,8 +31,9 @@ RUN pip install --no-cache-dir . && gpuwarden --help > /dev/null
 USER 10001:10001
 VOLUME ["/data"]
 EXPOSE 8600
+# Healthy while the server is ready (/readyz answers 503 otherwise, and urlopen raises).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8600/healthz', timeout=2)"]
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8600/readyz', timeout=2)"]
 ENTRYPOINT ["tini", "--", "gpuwarden"]
 CMD ["demo", "--dir", "/data", "--listen", "0.0.0.0:8600"]
 
@@ -55,7 +56,8 @@ ENV GPUWARDEN_STATE_DIR=/var/lib/gpuwarden \
     GPUWARDEN_LOG_DIR=/var/log/gpuwarden \
     GPUWARDEN_LISTEN=0.0.0.0:8600
 EXPOSE 8600
-HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
-    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8600/healthz', timeout=2)"]
+# Healthy while SGLang is ready (/readyz); a real model loads for minutes, hence the start period.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=30m --retries=3 \
+    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8600/readyz', timeout=2)"]
 ENTRYPOINT ["tini", "--", "gpuwarden"]
 CMD ["serve", "--settings", "/etc/gpuwarden/settings.yaml"]

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import client, fakegpu_cli, target
+from . import client, completion, fakegpu_cli, target
 
 DEMO_DEFAULT_LISTEN = "127.0.0.1:8600"
 
@@ -53,11 +53,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Supervise an SGLang inference server on a GPU host.",
         parents=[target.global_flags(on_subcommand=False)],
     )
+    parser.add_argument("--version", action="version", version=f"gpuwarden {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_serve_parsers(sub)
     client.add_parsers(sub)
     fakegpu_cli.add_parser(sub)
+    completion.add_parser(sub)
     return parser
+
+
+def _version() -> str:
+    """The installed package's version (what `pip show gpuwarden` says)."""
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version("gpuwarden")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 # A reader that stopped reading (`gpuwarden dump | head`): the status of a process killed by

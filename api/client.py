@@ -1,8 +1,10 @@
 """The CLI commands that talk to a running daemon over HTTP (which daemon, and the request
 itself: ``target.py``).
 
-Readable tables by default, ``--json`` for scripts. Exit codes: 0 ok, 1 failed (a one-line
-reason on stderr; a ``restart --wait`` that ended in a rollback is a failure), 2 usage.
+Readable tables by default (colour on a terminal), ``--json`` for scripts. Exit codes: 0 ok,
+1 failed (a one-line reason on stderr; a ``restart --wait`` that ended in a rollback is a
+failure), 2 usage; ``status`` answers 3 when the server is not ``ready``, as ``systemctl
+status`` does for a unit that is not active.
 """
 
 from __future__ import annotations
@@ -10,11 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
+from . import follow, render
 from .target import ClientError, call, connect, global_flags, resolve_target
 from .transport import ConnectFailed, InvalidUrl, TransportError
+
+EXIT_NOT_READY = 3  # `status` of a server that is not ready (systemctl: unit not active)
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -28,7 +34,18 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "restart", parents=[common], help="restart the current config, or swap to CONFIG"
     )
     p.add_argument("config", nargs="?")
-    p.add_argument("--wait", action="store_true", help="wait for the outcome (1 if not ready)")
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for the outcome, showing progress (1 on a rollback or failure); a swap is "
+        "waited for through its probation",
+    )
+    p.add_argument(
+        "--no-probation",
+        dest="probation",
+        action="store_false",
+        help="with --wait: stop waiting at ready, before the probation is over",
+    )
     p.set_defaults(func=cmd_restart)
 
     p = sub.add_parser("start", parents=[common], help="start CONFIG (or the saved one)")
@@ -46,6 +63,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
     p = sub.add_parser("events", parents=[common], help="recent events")
     p.add_argument("-n", "--limit", type=int, default=30)
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
     p.set_defaults(func=cmd_events)
 
     p = sub.add_parser("configs", parents=[common], help="the named configs")
@@ -79,38 +97,38 @@ def _print_json(data: Any) -> None:
 
 
 def _table(rows: Sequence[tuple[str, ...]], headers: tuple[str, ...]) -> None:
-    from rich.console import Console  # noqa: PLC0415 - only where tables are printed
-    from rich.table import Table  # noqa: PLC0415
-
-    table = Table(*headers, box=None, pad_edge=False, show_header=True, header_style="bold")
-    for row in rows:
-        table.add_row(*row)
-
-    class _Console(Console):
-        def on_broken_pipe(self) -> None:
-            # rich would exit 1 itself; the CLI ends every command alike (cli.main).
-            self.quiet = True
-            raise BrokenPipeError
-
-    _Console(width=max(100, Console().width)).print(table)
+    print(render.table(rows, headers, render.colour_on(sys.stdout)))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     st = call(args, "GET", "/status").json()
+    code = 0 if st.get("state") == "ready" else EXIT_NOT_READY
     if args.json:
         _print_json(st)
-        return 0
+        return code
+    on = render.colour_on(sys.stdout)
+    state = render.state_text(st["state"], on)
+    if st.get("crash_loop"):
+        state += "  " + render.paint("(crash loop)", "red", on)
+    if st.get("uptime_s") is not None:
+        state += f"  up {render.duration(st['uptime_s'])}"
+    retry = render.seconds_until(st.get("next_retry_at"))
+    if retry is not None and st["state"] == "backoff":
+        state += f"  next retry in {render.duration(max(0.0, retry))}"
     last = st.get("last_exit") or {}
+    last_text = "-"
+    if last:
+        last_text = f"{render.paint(str(last.get('reason')), 'red', on)}: {last.get('evidence')}"
+        last_text += f"  ({render.ago(last.get('at'))})" if last.get("at") else ""
     rows = [
-        ("state", st["state"] + ("  (crash loop)" if st.get("crash_loop") else "")),
+        ("state", state),
         ("config", str(st.get("config"))),
         ("pid", str(st.get("pid") or "-")),
         ("launch", str(st.get("launch_id") or "-")),
-        ("uptime", f"{st['uptime_s']:.0f} s" if st.get("uptime_s") is not None else "-"),
+        ("started", render.ago(st.get("started_at")) if st.get("started_at") else "-"),
         ("restarts / failures", f"{st.get('restarts')} / {st.get('failures')}"),
-        ("next retry", str(st.get("next_retry_at") or "-")),
         ("last good config", str(st.get("last_good_config") or "-")),
-        ("last exit", f"{last.get('reason')}: {last.get('evidence')}" if last else "-"),
+        ("last exit", last_text),
         ("log file", str(st.get("log_file") or "-")),
     ]
     if st.get("swap"):
@@ -126,25 +144,33 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{p['pid']}{'*' if p['ours'] else ''} {p['used_mib']} MiB" for p in g["processes"]
         )
         rows.append((f"gpu {g['index']}", f"{g['used_mib']}/{g['total_mib']} MiB  {holders}"))
-    _table(rows, ("", ""))
-    return 0
+    print(render.table([(render.paint(k, "bold", on), v) for k, v in rows]))
+    return code
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"wait": "true" if args.wait else "false"}
+    if args.wait:
+        params["probation"] = "true" if args.probation else "false"
     if args.config:
         params["config"] = args.config
-    res = call(args, "POST", "/restart", params=params, timeout=None if args.wait else 30.0)
-    data = res.json()
+    if args.wait:
+        data = follow.restart_waiting(args, params)
+    else:
+        data = call(args, "POST", "/restart", params=params).json()
     if args.json:
         _print_json(data)
     elif args.wait:
-        print(f"{data['outcome']}: {data.get('evidence') or data.get('reason') or ''}".rstrip(": "))
+        took = f" after {render.duration(data['elapsed_s'])}" if "elapsed_s" in data else ""
+        print(f"{data['outcome']}: {data.get('evidence') or data.get('reason') or ''}{took}")
     else:
         print(f"accepted: {data.get('swap_id')} -> {data.get('config')} ({data.get('state')})")
     if args.wait and data.get("outcome") != "ready":
+        why = data.get("evidence") or ""
         print(
-            f"gpuwarden: restart ended {data.get('outcome')}: {data.get('reason')}", file=sys.stderr
+            f"gpuwarden: restart ended {data.get('outcome')}: {data.get('reason')}"
+            + (f" ({why})" if why else ""),
+            file=sys.stderr,
         )
         return 1
     return 0
@@ -209,19 +235,16 @@ def _follow(args: argparse.Namespace) -> int:
 
 def cmd_events(args: argparse.Namespace) -> int:
     data = call(args, "GET", "/events", params={"limit": args.limit}).json()
-    if args.json:
+    if args.json and args.follow:  # one JSON object per line, as the follow goes on
+        for e in data["events"]:
+            print(json.dumps(e, default=str), flush=True)
+    elif args.json:
         _print_json(data)
-        return 0
-    rows = []
-    for e in data["events"]:
-        rest = {
-            k: v for k, v in e.items() if k not in ("seq", "ts", "event", "config", "launch_id")
-        }
-        summary = " ".join(f"{k}={v}" for k, v in rest.items())
-        rows.append(
-            (str(e.get("ts", ""))[11:23], e["event"], str(e.get("config") or ""), summary[:110])
-        )
-    _table(rows, ("time", "event", "config", ""))
+    else:
+        _table([follow.event_row(e) for e in data["events"]], ("time", "event", "config", ""))
+        sys.stdout.flush()
+    if args.follow:
+        return follow.follow_events(args, data["events"])
     return 0
 
 
@@ -272,10 +295,6 @@ async def _check_offline(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    import time  # noqa: PLC0415
-
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
-
     body = {
         "configs": args.configs,
         "baseline": args.baseline,
@@ -287,27 +306,27 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     }
     sweep = call(args, "POST", "/sweeps", json=body).json()
     sid = sweep["id"]
+    progress = None if args.json else follow.Progress(sys.stderr)
+    t0 = time.monotonic()
     try:
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(),
-            disable=args.json,
-        ) as bar:
-            task = bar.add_task(sid, total=sweep["total"])
-            while sweep["state"] == "running":
-                time.sleep(0.5)
-                sweep = call(args, "GET", f"/sweeps/{sid}").json()
-                bar.update(
-                    task,
-                    completed=sweep["done"],
-                    description=f"{sid}: {sweep.get('current') or 'finishing'}",
+        while sweep["state"] == "running":
+            time.sleep(0.5)  # nothing announces a sweep's progress to a client: it is polled
+            sweep = call(args, "GET", f"/sweeps/{sid}").json()
+            if progress is not None:
+                current = sweep.get("current") or "finishing"
+                progress.show(
+                    (sweep["done"], current),
+                    f"[{render.duration(time.monotonic() - t0)}] {sid}: "
+                    f"{sweep['done']}/{sweep['total']} · {current}",
                 )
     except KeyboardInterrupt:
+        if progress is not None:
+            progress.close()
         sweep = call(args, "DELETE", f"/sweeps/{sid}").json()
         print(f"cancelled {sid}; restoring {sweep.get('original')}", file=sys.stderr)
         return 1
+    if progress is not None:
+        progress.close()
     if args.json:
         _print_json(sweep)
     else:

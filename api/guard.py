@@ -40,8 +40,9 @@ class GuardPolicy:
     listen_host: str
     allowed_hosts: tuple[str, ...]
     max_body_bytes: int
-    # Routes that can authenticate from their body (/chat: a form's verification token): with
-    # no valid bearer they still get their body, bounded like every other.
+    # Routes that can authenticate from their body (/chat: a form's verification token, or a
+    # Slack signature over the body): with no valid bearer they still get their body, bounded
+    # like every other.
     body_auth_paths: frozenset[str] = frozenset()
 
 
@@ -216,6 +217,6 @@ def policy_for(settings: Settings, token: str | None) -> GuardPolicy:
         allowed_hosts=tuple(settings.allowed_hosts),
         max_body_bytes=settings.http.max_body_bytes,
         body_auth_paths=frozenset({"/chat"})
-        if settings.chat.verification_token is not None
+        if settings.chat.verification_token is not None or settings.chat.signing_secret is not None
         else frozenset(),
     )

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
+from gpuwarden.api import slacksign
 from gpuwarden.api.auth import token_matches
 from gpuwarden.api.deps import SettingsDep, SupervisorDep
 from gpuwarden.api.models import DumpName, errors
@@ -50,10 +51,9 @@ class DumpList(BaseModel):
     dumps: list[str]
 
 
-async def _read_message(request: Request) -> tuple[dict[str, Any], bool]:
+def _read_message(raw: bytes, request: Request) -> tuple[dict[str, Any], bool]:
     """(fields, slack_form). JSON; a form (Slack/Mattermost); or JSON sent form-encoded by
     `curl -d '{...}'`, which arrives as one form key holding the whole JSON."""
-    raw = await request.body()
     ctype = request.headers.get("content-type", "")
     text = raw.decode("utf-8", errors="replace").strip()
     if "json" in ctype or text.startswith("{"):
@@ -75,7 +75,9 @@ async def _read_message(request: Request) -> tuple[dict[str, Any], bool]:
     summary="A chat message: a trigger ('server crashed') answers with the dump, else help",
     description='JSON `{"text": ..., "user": ...}` (also when `curl -d` sends it '
     "form-encoded), or a Slack/Mattermost slash-command or outgoing-webhook form. Auth: the "
-    "bearer token, or the form's `token` equal to `chat.verification_token`.",
+    "bearer token; or a Slack request signed with `chat.signing_secret` (`X-Slack-Signature`, "
+    "`X-Slack-Request-Timestamp` within 5 minutes); or the form's `token` equal to "
+    "`chat.verification_token`.",
     responses={**errors(400, 401), 200: {"model": ChatReply}},
     openapi_extra={
         "requestBody": {
@@ -91,14 +93,24 @@ async def chat(
     request: Request,
     supervisor: SupervisorDep,
     settings: SettingsDep,
+    *,
     authorization: Annotated[str | None, Header()] = None,
+    x_slack_signature: Annotated[str | None, Header()] = None,
+    x_slack_request_timestamp: Annotated[str | None, Header()] = None,
 ) -> Any:
-    fields, slack = await _read_message(request)
+    raw = await request.body()  # the raw bytes: a Slack signature is over them, not the form
+    fields, slack = _read_message(raw, request)
     expected = request.app.state.token
     given = authorization[7:] if authorization and authorization.startswith("Bearer ") else None
     verification = settings.chat.verification_token
+    secret = settings.chat.signing_secret
     form_token = fields.get("token")
-    if expected is not None or verification is not None:
+    if x_slack_signature is not None and secret is not None:
+        # A signed request stands or falls by its signature, whatever else it carries.
+        why = slacksign.check(secret, x_slack_request_timestamp, x_slack_signature, raw)
+        if why is not None:
+            raise HTTPException(401, f"bad Slack signature: {why}")
+    elif expected is not None or verification is not None or secret is not None:
         ok = (expected is not None and token_matches(expected, given)) or (
             verification is not None
             and isinstance(form_token, str)
@@ -107,7 +119,7 @@ async def chat(
         if not ok:
             raise HTTPException(
                 401,
-                "missing or wrong token (bearer, or the form's token)",
+                "missing or wrong token (bearer, Slack signature, or the form's token)",
                 headers={"WWW-Authenticate": "Bearer"},
             )
     text = fields.get("text")

@@ -51,8 +51,10 @@ async def stop(supervisor: SupervisorDep) -> Accepted:
     status_code=202,
     summary="Restart the current config, or swap to another one (preflight first)",
     description="Without `wait`: 202 once accepted. With `wait=true`: 200 with the settled "
-    "outcome (`ready`, `rolled_back` or `failed`). A swap whose preflight fails answers "
-    "422 at once and touches nothing.",
+    "outcome (`ready`, `rolled_back` or `failed`); with `probation=true` (the default) a swap "
+    "that came up is answered once `probation_s` is over, so `ready` means it stayed up and a "
+    "crash within it answers `rolled_back`. A swap whose preflight fails answers 422 at once "
+    "and touches nothing.",
     responses={
         **errors(400, 401, 404, 409, 422),
         200: {"model": Outcome, "description": "settled (wait=true)"},
@@ -62,8 +64,11 @@ async def restart(
     supervisor: SupervisorDep,
     config: ConfigParam = None,
     wait: Annotated[bool, Query(description="answer once the restart has settled")] = False,
+    probation: Annotated[
+        bool, Query(description="with wait: answer once a swapped-in config passed probation")
+    ] = True,
 ) -> Any:
-    result = await supervisor.restart(config, wait=wait)
+    result = await supervisor.restart(config, wait=wait, probation=probation)
     if wait:
         return JSONResponse(Outcome(**result).model_dump(), status_code=200)
     return Accepted(**result)

@@ -24,15 +24,19 @@ class EventList(BaseModel):
 
 @router.get(
     "/events",
-    summary="Recent events, oldest first (persisted in events.jsonl)",
+    summary="Recent events, oldest first (persisted in events.jsonl); `after` pages on",
     responses=errors(400, 401),
 )
 async def events(
     supervisor: SupervisorDep,
     limit: Annotated[int, Query(ge=1, le=2000)] = 100,
     kind: Annotated[str | None, Query(description="only events of this kind")] = None,
+    after: Annotated[
+        int | None,
+        Query(ge=0, description="the first `limit` events whose seq follows this one (a cursor)"),
+    ] = None,
 ) -> EventList:
-    return EventList(events=supervisor.events.recent(limit, kind))
+    return EventList(events=supervisor.events.recent(limit, kind, after))
 
 
 @router.get(

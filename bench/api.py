@@ -101,7 +101,11 @@ def bench_swap(tmp: Path, swaps: int) -> dict[str, Any]:
             target = "b" if i % 2 == 0 else "a"
             mark = len(d.records())
             t0 = time.time()
-            res = d.http.post("/restart", params={"config": target, "wait": "true"}, timeout=60)
+            res = d.http.post(
+                "/restart",
+                params={"config": target, "wait": "true", "probation": "false"},
+                timeout=60,
+            )
             t1 = time.time()
             assert res.json()["outcome"] == "ready", res.text
             recs = d.records()[mark:]

@@ -73,6 +73,7 @@ class ChatSettings(_Strict):
         default_factory=lambda: ["server crashed", "server is down", "dump logs"]
     )
     verification_token: str | None = None
+    signing_secret: str | None = None  # Slack's: X-Slack-Signature over the raw body
     webhooks: list[Webhook] = Field(default_factory=list)
 
     @field_validator("webhooks", mode="before")

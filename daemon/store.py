@@ -153,8 +153,15 @@ class EventLog:
             return
         self.write_error, self.lost, self._mid_line = None, 0, False
 
-    def recent(self, limit: int = 100, kind: str | None = None) -> list[dict[str, Any]]:
+    def recent(
+        self, limit: int = 100, kind: str | None = None, after: int | None = None
+    ) -> list[dict[str, Any]]:
+        """The last `limit` events; with `after` (a seq), the first `limit` that follow it,
+        so a follower that pages on never skips one."""
         items = [e for e in self._recent if kind is None or e.get("event") == kind]
+        if after is not None:
+            items = [e for e in items if int(e.get("seq", 0) or 0) > after]
+            return items[:limit] if limit > 0 else []
         return items[-limit:] if limit > 0 else []
 
     def close(self) -> None:

@@ -219,9 +219,12 @@ class Supervisor:
         wait: bool = False,
         sweep_id: str | None = None,
         ensure: bool = False,
+        probation: bool = False,
     ) -> Any:
         """Restart, or swap when `config` names another config. A swap is preflighted first:
-        a refused one touches nothing. `ensure`: nothing to do if that config is ready."""
+        a refused one touches nothing. `ensure`: nothing to do if that config is ready.
+        `probation` (with `wait`): a swap that came up is answered once its probation is over,
+        so `ready` means it stayed up for probation_s (a crash in it answers the rollback)."""
         ticket = self._take_ticket()
         snap = self.snapshot()
         cfg = await reading.resolve(
@@ -256,8 +259,41 @@ class Supervisor:
                        "launch_ids": [], "config": cfg.name}  # fmt: skip
         else:
             outcome = await asyncio.shield(self.host.settled(reply["swap_id"]))
+            if probation and outcome["outcome"] == "ready" and outcome["launch_ids"]:
+                outcome = await self._probation_outcome(reply["swap_id"], outcome)
         # The state now, not the one at acceptance (which was stopping or waiting_gpu).
         return {**reply, **outcome, "state": str(self.snapshot().state)}
+
+    async def _probation_outcome(self, swap_id: str, ready: dict[str, Any]) -> dict[str, Any]:
+        """How the probation of the launch a swap brought up ended: it passed (the launch
+        became last-good, also when a later swap began while it served), it crashed (the
+        machine began a rollback swap of its own: its outcome), or a stop or the daemon's
+        shutdown ended it. Read after each handled message, so no ending is missed."""
+        launch_id = ready["launch_ids"][-1]
+        m = self.machine
+
+        def ended(_: Supervisor) -> bool:
+            return (
+                m.last_good_launch == launch_id
+                or (m.swap is not None and m.swap.id != swap_id)
+                or not m.intent_running
+                or m.finished
+            )
+
+        async with self._changed:
+            await self._changed.wait_for(lambda: ended(self))
+        if m.last_good_launch == launch_id:
+            evidence = f"{ready['config']} is ready and survived its probation"
+            return {**ready, "evidence": evidence}
+        if m.swap is not None and m.swap.id != swap_id and m.intent_running and not m.finished:
+            rollback = await asyncio.shield(self.host.settled(m.swap.id))
+            launch_ids = [*ready["launch_ids"], *rollback["launch_ids"]]
+            return {**rollback, "swap_id": swap_id, "launch_ids": list(dict.fromkeys(launch_ids))}
+        if m.finished:
+            why = "the daemon shut down during its probation (it resumes at the next start)"
+        else:
+            why = "stopped on request during its probation"
+        return {**ready, "outcome": "failed", "reason": "requested_stop", "evidence": why}
 
     async def shutdown(self) -> None:
         """Stop the server (the saved intent is kept) and end `run`."""

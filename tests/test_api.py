@@ -134,7 +134,9 @@ def test_crash_inside_probation_rolls_back(
         restart={"probation_s": 30, "initial_delay_s": 30},
     )
     d.wait_state("ready")
-    body = d.http.post("/restart", params={"config": "flaky", "wait": "true"}).json()
+    body = d.http.post(
+        "/restart", params={"config": "flaky", "wait": "true", "probation": "false"}
+    ).json()
     assert body["outcome"] == "ready"  # it came up ...
     rollback = d.wait_event("server.rollback")  # ... and crashed within probation_s
     assert rollback["from_config"] == "flaky" and rollback["reason"] == "crash"
@@ -307,7 +309,7 @@ def test_each_cli_command_against_a_live_daemon(
     assert cli("check", "other").returncode == 0
     assert "fired up and ready" in cli("logs", "-n", "200").stdout
     assert "server.state" not in cli("events").stderr and cli("events").returncode == 0
-    res = cli("restart", "other", "--wait")
+    res = cli("restart", "other", "--wait", "--no-probation")
     assert res.returncode == 0 and res.stdout.startswith("ready")
     assert cli("stop").returncode == 0
     d.wait_state("stopped")
@@ -386,7 +388,9 @@ def test_a_swap_begun_during_probation_rolls_back_to_the_config_that_was_serving
     )
     d.wait_state("ready")
     assert (
-        d.http.post("/restart", params={"config": "other", "wait": "true"}).json()["outcome"]
+        d.http.post(
+            "/restart", params={"config": "other", "wait": "true", "probation": "false"}
+        ).json()["outcome"]
         == "ready"
     )
     assert d.status()["last_good_config"] == "good"  # still on probation

@@ -19,7 +19,7 @@ import pytest
 from gpuwarden.daemon.configs import ConfigStore
 from gpuwarden.daemon.settings import load_settings
 
-from .conftest import PY, Proc
+from .conftest import PY, Proc, require_tool
 from .daemon_harness import write_setup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,9 +70,7 @@ def test_the_example_settings_and_config_load() -> None:
 
 
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze is not installed (.ci/run installs Debian's systemd)")
+    analyze = require_tool("systemd-analyze")
     exe = Path(sys.executable).with_name("gpuwarden")
     assert exe.exists(), exe
     unit = tmp_path / "gpuwarden.service"
@@ -103,9 +101,7 @@ def test_unit_keeps_gpus_and_sglang_working() -> None:
 
 
 def test_unit_exposure_is_low() -> None:
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze is not installed")
+    analyze = require_tool("systemd-analyze")
     res = subprocess.run(
         [analyze, "security", "--offline=true", str(UNIT)],
         capture_output=True,
@@ -135,6 +131,9 @@ def test_dockerfile_passes_hadolint() -> None:
     for ignore in [line for line in text.splitlines() if "hadolint ignore" in line]:
         index = text.splitlines().index(ignore)
         assert text.splitlines()[index - 1].startswith("#"), f"unexplained: {ignore}"
+    # The container is healthy while its server is ready, not merely while the daemon runs.
+    checks = [ln for ln in text.splitlines() if "urlopen(" in ln]
+    assert len(checks) == 2 and all("/readyz'" in ln for ln in checks), checks
 
 
 def test_sd_notify_ready_status_watchdog_stopping(

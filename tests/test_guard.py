@@ -421,7 +421,9 @@ def test_streams_and_long_waits_outlive_every_timeout(
         lines = stream.iter_lines()
         mark = d.mark()
         # The swap's loading takes longer than every timeout above; the answer still comes.
-        res = d.http.post("/restart", params={"config": "slow", "wait": "true"})
+        res = d.http.post(
+            "/restart", params={"config": "slow", "wait": "true", "probation": "false"}
+        )
         assert res.status_code == 200 and res.json()["outcome"] == "ready"
         launch = d.wait_event("server.launch", after=mark, config="slow")
         for raw in lines:  # the stream outlived it and carries the new launch's lines

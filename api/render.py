@@ -1,0 +1,118 @@
+"""What the CLI prints for people: aligned tables, human durations, colour on a terminal.
+
+Standard library only (the CLI starts in milliseconds): colour is ANSI, and only where the
+stream is a terminal, `NO_COLOR` is unset and `TERM` is not `dumb`; piped output is plain.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import IO
+
+RESET = "\x1b[0m"
+STYLES = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33", "cyan": "36"}
+STATE_STYLE = {
+    "ready": "green",
+    "starting": "yellow",
+    "waiting_gpu": "yellow",
+    "stopping": "yellow",
+    "backoff": "yellow",
+    "unhealthy": "red",
+    "failed": "red",
+    "stopped": "dim",
+}
+
+
+def colour_on(stream: IO[str]) -> bool:
+    """Colour for `stream`: a terminal, and the user has not asked for none."""
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return stream.isatty()
+    except ValueError:  # a closed stream
+        return False
+
+
+def paint(text: str, style: str | None, on: bool) -> str:
+    if not on or not style:
+        return text
+    codes = ";".join(STYLES[s] for s in style.split())
+    return f"\x1b[{codes}m{text}{RESET}"
+
+
+def state_text(state: str, on: bool) -> str:
+    return paint(state, STATE_STYLE.get(state), on)
+
+
+def visible_len(text: str) -> int:
+    """The width of `text` on screen: its length without the colour codes."""
+    n, i = 0, 0
+    while i < len(text):
+        if text[i] == "\x1b":
+            end = text.find("m", i)
+            i = len(text) if end < 0 else end + 1
+            continue
+        n += 1
+        i += 1
+    return n
+
+
+def table(rows: Sequence[Sequence[str]], headers: Sequence[str] = (), on: bool = False) -> str:
+    """Rows as aligned columns two spaces apart; the last column is never padded. Headers,
+    when given and not all empty, come first in bold."""
+    all_rows = [list(r) for r in rows]
+    if any(headers):
+        all_rows.insert(0, [paint(h, "bold", on) for h in headers])
+    if not all_rows:
+        return ""
+    ncols = max(len(r) for r in all_rows)
+    widths = [0] * ncols
+    for r in all_rows:
+        for i, cell in enumerate(r[:-1]):
+            widths[i] = max(widths[i], visible_len(cell))
+    lines = []
+    for r in all_rows:
+        cells = [c + " " * (widths[i] - visible_len(c)) for i, c in enumerate(r[:-1])]
+        lines.append("  ".join([*cells, r[-1]] if r else []).rstrip())
+    return "\n".join(lines)
+
+
+def duration(seconds: float) -> str:
+    """`8s`, `4m 05s`, `3h 12m`, `2d 4h`: the two largest units, as uptime shows them."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60}m"
+    return f"{s // 86400}d {s % 86400 // 3600}h"
+
+
+def seconds_until(iso: str | None, now: datetime | None = None) -> float | None:
+    """Seconds from now to an ISO time the daemon sent (negative: in the past)."""
+    if not iso:
+        return None
+    try:
+        at = datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=UTC)
+    return (at - (now or datetime.now(UTC))).total_seconds()
+
+
+def ago(iso: str | None) -> str:
+    """`12m 03s ago` for a past ISO time; `-` when there is none."""
+    left = seconds_until(iso)
+    return "-" if left is None else f"{duration(-left)} ago"
+
+
+def fit(text: str, width: int | None = None) -> str:
+    """One line no wider than the terminal (for a line rewritten in place)."""
+    width = width or shutil.get_terminal_size((100, 24)).columns
+    text = text.replace("\r", " ").replace("\n", " ")
+    return text if len(text) < width else text[: max(0, width - 2)] + "…"
