@@ -313,3 +313,32 @@ def test_a_chart_without_the_charts_extra_says_how_to_get_it(
     assert cli.returncode == 0, cli.stderr
     assert "no chart: charts need matplotlib" in cli.stdout
     assert "pip install 'gpuwarden[charts]'" in cli.stdout
+
+
+def test_the_sglang_bench_load_runs_with_the_configs_python_and_says_why_it_failed(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """The stand-in's Python has no SGLang: the benchmark runs, exits 1, and the row says so
+    (`make test-real` runs it against the real SGLang)."""
+    d = start_daemon(procs, tmp_path, fake_gpu, {"a": standin_config()}, default="a")
+    d.wait_state("ready")
+    body = {"configs": ["a"], "backend": "sglang-bench", "requests": 2, "warmup": 0}
+    row = sweep_of(d, body)["rows"][0]
+    assert row["status"] == "failed" and row["reason"] == "load_failed", row
+    assert "the benchmark exited 1" in row["evidence"] and "sglang" in row["evidence"], row
+    head = Path(row["bench_log"]).read_text().splitlines()[0]
+    assert head.startswith(f"$ {PY} -m sglang.benchmark.serving --backend sglang --base-url")
+    assert "--dataset-name random-ids" in head and "--random-range-ratio 1.0" in head
+
+
+def test_the_benchmarks_python_is_command0_or_its_scripts_shebang(tmp_path: Path) -> None:
+    from gpuwarden.daemon.sglangbench import BenchError, interpreter  # noqa: PLC0415
+
+    script = tmp_path / "sglang"
+    script.write_text(f"#!{PY}\nprint('hi')\n")
+    assert interpreter([PY, "-m", "sglang.launch_server"], {}) == PY
+    assert interpreter([str(script), "serve"], {}) == PY
+    other = tmp_path / "server"
+    other.write_text("#!/bin/sh\nexit 0\n")
+    with pytest.raises(BenchError, match="not a Python interpreter"):
+        interpreter([str(other)], {})
