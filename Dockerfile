@@ -27,7 +27,9 @@ COPY pyproject.toml README.md ./
 COPY daemon daemon
 COPY api api
 COPY standin standin
-RUN pip install --no-cache-dir . && gpuwarden --help > /dev/null
+# The project itself with its charts extra (matplotlib, for a sweep's chart): no pin applies.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir '.[charts]' && gpuwarden --help > /dev/null
 USER 10001:10001
 VOLUME ["/data"]
 EXPOSE 8600
@@ -51,7 +53,9 @@ COPY daemon daemon
 COPY api api
 COPY standin standin
 # Installed with the image's own python3, beside SGLang, so preflight can build SGLang's parser.
-RUN python3 -m pip install --no-cache-dir . && gpuwarden --help > /dev/null
+# The project itself with its charts extra (matplotlib, for a sweep's chart): no pin applies.
+# hadolint ignore=DL3013
+RUN python3 -m pip install --no-cache-dir '.[charts]' && gpuwarden --help > /dev/null
 ENV GPUWARDEN_STATE_DIR=/var/lib/gpuwarden \
     GPUWARDEN_LOG_DIR=/var/log/gpuwarden \
     GPUWARDEN_LISTEN=0.0.0.0:8600

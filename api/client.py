@@ -82,10 +82,15 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("configs", nargs="+", metavar="CONFIG")
     p.add_argument("--baseline", default=None, help="the reference config (default: the first)")
     p.add_argument("--end-on", default=None, help="the config to serve at the end")
-    p.add_argument("--requests", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--requests", type=int, default=32, help="measured requests per config")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up requests, not counted")
     p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument(
+        "--no-ignore-eos", dest="ignore_eos", action="store_false", help="let EOS end answers"
+    )
+    p.add_argument("--backend", choices=("openai", "sglang-bench"), default="openai")
+    p.add_argument("--input-len", type=int, default=128, help="sglang-bench: prompt tokens")
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("dump", parents=[common], help="the diagnostic dump")
@@ -303,13 +308,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         "warmup": args.warmup,
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
+        "ignore_eos": args.ignore_eos,
+        "backend": args.backend,
+        "input_len": args.input_len,
     }
     sweep = call(args, "POST", "/sweeps", json=body).json()
     sid = sweep["id"]
     progress = None if args.json else follow.Progress(sys.stderr)
     t0 = time.monotonic()
     try:
-        while sweep["state"] == "running":
+        while sweep["state"] == "running" or sweep.get("ended_at") is None:
             time.sleep(0.5)  # nothing announces a sweep's progress to a client: it is polled
             sweep = call(args, "GET", f"/sweeps/{sid}").json()
             if progress is not None:
@@ -330,8 +338,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(sweep)
     else:
-        print(call(args, "GET", f"/sweeps/{sid}/table.md").text)
-        print(f"files: {sweep['folder']}/table.md, table.csv, chart.png")
+        from gpuwarden.daemon.sweepreport import render_text  # noqa: PLC0415
+
+        print(render_text(sweep))
+        print(f"files: {sweep['folder']}/table.md, table.csv, result.json", end="")
+        print(
+            ", chart.png"
+            if not sweep.get("chart_missing")
+            else f"\nno chart: {sweep['chart_missing']}"
+        )
     return 0 if sweep["state"] == "done" else 1
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Annotated, Any
 from urllib.parse import parse_qs
@@ -134,7 +135,7 @@ async def chat(
             else ChatReply(text=reply).model_dump()
         )
     dump = build_dump(supervisor, why=f"chat: {text[:80]!r}")
-    saved = save_dump(settings.state_dir, dump)
+    saved = await asyncio.to_thread(save_dump, settings.state_dir, dump, settings.retention.dumps)
     body = chat_text(dump, saved)
     if slack:
         return JSONResponse(slack_reply(body))
@@ -146,11 +147,11 @@ async def chat(
     summary="The diagnostic dump now (text, or JSON with Accept: application/json)",
     responses={**errors(401), 200: {"content": {"text/plain": {}, "application/json": {}}}},
 )
-async def dump(request: Request, supervisor: SupervisorDep, settings: SettingsDep) -> Response:
+async def dump(request: Request, supervisor: SupervisorDep) -> Response:
+    """Computed, never saved: only a chat trigger or a crash's notice saves a dump."""
     d = build_dump(supervisor)
-    saved = save_dump(settings.state_dir, d)
     if "application/json" in request.headers.get("accept", ""):
-        return JSONResponse({**d.data, "saved": saved.stem})
+        return JSONResponse(d.data)
     return PlainTextResponse(d.text + "\n")
 
 

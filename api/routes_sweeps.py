@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, PlainTextResponse
@@ -12,7 +12,7 @@ from gpuwarden.api.models import ConfigItem, SweepId, errors
 from gpuwarden.daemon.errors import CommandError
 from gpuwarden.daemon.load import LoadSpec
 from gpuwarden.daemon.sweep import SweepManager
-from gpuwarden.daemon.sweepreport import Sweep
+from gpuwarden.daemon.sweepreport import CHARTS_EXTRA, Sweep, charts_missing
 
 router = APIRouter(tags=["sweeps"])
 
@@ -21,10 +21,32 @@ class SweepBody(BaseModel):
     configs: list[ConfigItem] = Field(min_length=1, max_length=64)
     baseline: ConfigItem | None = None
     end_on: ConfigItem | None = None
-    requests: int = Field(4, ge=1, le=10000)
-    warmup: int = Field(1, ge=0, le=100)
+    requests: int = Field(32, ge=1, le=10000)
+    warmup: int = Field(2, ge=0, le=100)
     concurrency: int = Field(1, ge=1, le=256)
     max_tokens: int = Field(128, ge=1, le=32768)
+    # Fixed-length answers (SGLang's benchmark does the same); false lets EOS end them early.
+    ignore_eos: bool = True
+    # "openai": the daemon's own streaming client; "sglang-bench": SGLang's benchmark, run
+    # with the config's Python on random token ids of `input_len`.
+    backend: Literal["openai", "sglang-bench"] = "openai"
+    input_len: int = Field(128, ge=1, le=1_000_000)
+
+
+class SweepSummary(BaseModel):
+    id: str
+    configs: list[str]
+    state: str
+    started_at: float
+    ended_at: float | None
+    best: str | None
+    best_tok_s: float | None
+    done: int
+    total: int
+
+
+class SweepList(BaseModel):
+    sweeps: list[SweepSummary]
 
 
 def _manager(request: Request) -> SweepManager:
@@ -51,9 +73,21 @@ async def start_sweep(request: Request, body: SweepBody) -> dict[str, Any]:
         warmup=body.warmup,
         concurrency=body.concurrency,
         max_tokens=body.max_tokens,
+        ignore_eos=body.ignore_eos,
+        backend=body.backend,
+        input_len=body.input_len,
     )
     sweep = _manager(request).start(body.configs, body.baseline, body.end_on, load)
     return sweep.view()
+
+
+@router.get(
+    "/sweeps",
+    summary="Every sweep kept (this life's and earlier ones'), oldest first",
+    responses=errors(401),
+)
+async def list_sweeps(request: Request) -> SweepList:
+    return SweepList.model_validate({"sweeps": _manager(request).listing()})
 
 
 @router.get(
@@ -75,6 +109,9 @@ async def cancel_sweep(request: Request, sweep_id: SweepId) -> dict[str, Any]:
 def _file(request: Request, sweep_id: str, name: str) -> Any:
     path = _get(request, sweep_id).folder / name
     if not path.exists():
+        missing = charts_missing() if name == "chart.png" else None
+        if missing is not None:
+            raise CommandError("not_found", missing, {"extra": CHARTS_EXTRA})
         raise CommandError("not_found", f"{name} is not written yet")
     return path
 

@@ -10,6 +10,7 @@ everywhere, log lines included.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -214,7 +215,9 @@ def render_text(d: dict[str, Any], tail_lines: int = TAIL_LINES, max_line: int =
     return "\n".join(lines)
 
 
-def save_dump(state_dir: Path, dump: Dump) -> Path:
+def save_dump(state_dir: Path, dump: Dump, keep: int | None = None) -> Path:
+    """Save the dump (`NAME.txt` and `NAME.json` in state_dir/dumps); with `keep`, only the
+    newest `keep` saved dumps stay (the one just saved always does)."""
     folder = state_dir / "dumps"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{dump.name}.txt"
@@ -224,7 +227,25 @@ def save_dump(state_dir: Path, dump: Dump) -> Path:
         path = folder / f"{dump.name}-{n}.txt"
     path.write_text(dump.text + "\n")
     path.with_suffix(".json").write_text(json.dumps(dump.data, indent=1, default=str))
+    if keep is not None:
+        prune_dumps(folder, keep, path)
     return path
+
+
+def prune_dumps(folder: Path, keep: int, current: Path | None = None) -> list[str]:
+    """Remove all but the newest `keep` saved dumps (by time written, then name), never
+    `current`; the names removed."""
+    dated = []
+    for txt in folder.glob("*.txt"):
+        with contextlib.suppress(FileNotFoundError):
+            dated.append((txt.stat().st_mtime_ns, len(txt.name), txt.name, txt))
+    dated.sort()
+    old = [p for *_, p in dated[: max(0, len(dated) - keep)] if p != current]
+    for txt in old:
+        for path in (txt, txt.with_suffix(".json")):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    return [p.stem for p in old]
 
 
 def chat_text(dump: Dump, saved: Path | None) -> str:

@@ -164,6 +164,8 @@ class Host(GpuWatch):
 
     def _write_record(self, record: dict[str, Any]) -> None:
         self.events.append(record)
+        if self.events.needs_prune():
+            self.task(self._prune_events())
         if self.events.write_error != self._events_error:
             self._events_error = self.events.write_error
             self.post(WriteHealth("events", self._events_error))
@@ -383,6 +385,15 @@ class Host(GpuWatch):
             self.post(BackoffElapsed(gen, None, str(exc)))
             return
         self.post(BackoffElapsed(gen, resolved))
+
+    async def _prune_events(self) -> None:
+        """events.jsonl back to its newest `retention.events` lines, on a thread."""
+        try:
+            dropped = await asyncio.to_thread(self.events.prune)
+        except OSError as exc:
+            self.post(EventNoted("events_prune_failed", {"error": f"{exc.strerror or exc}"}))
+            return
+        self.post(EventNoted("events_pruned", {"lines": dropped, "kept": self.events.lines}))
 
     def prune_logs(self, protect: set[str]) -> None:
         self.task(self._prune_logs(protect))

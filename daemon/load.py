@@ -1,8 +1,15 @@
 """A small async load generator for an OpenAI-compatible server (streaming chat completions).
 
-Client-side figures per run: output tok/s (completion tokens over the measured window), time to
-first token and inter-token latency (mean, p50, p99), requests ok/failed. Warm-up requests are
-excluded. Concurrency 1 by default, so figures compare with single-stream measurements.
+Every request asks for a fixed-length answer (`max_tokens` with `ignore_eos`, as SGLang's own
+benchmark does) and for the stream's token count (`stream_options.include_usage`). A request's
+tokens are the server's count: its `usage`, or `max_tokens` when the server says it stopped
+there (`finish_reason: length`); never words. Per request: time to first token, inter-token
+latency (time between the first and the last token over tokens - 1) and its decode rate (the
+inverse). The run reports each figure's spread across requests (mean, min, p50, p90, p99, max);
+warm-up requests are sent first and not counted. Concurrency 1 by default, so figures compare
+with single-stream measurements.
+
+httpx is imported where a load runs, never when the daemon starts.
 """
 
 from __future__ import annotations
@@ -11,11 +18,11 @@ import asyncio
 import json
 import statistics
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import httpx
+if TYPE_CHECKING:
+    import httpx
 
 PROMPTS = (
     "Explain speculative decoding in two paragraphs.",
@@ -25,62 +32,94 @@ PROMPTS = (
     "Describe how tensor parallelism splits a matrix multiplication.",
 )
 
+BACKENDS = ("openai", "sglang-bench")
+
 
 @dataclass
 class LoadSpec:
-    requests: int = 4
-    warmup: int = 1
+    # 32 measured requests put 32 samples under each percentile (over 4, a p90 is one
+    # request's figure and one slow request moves the median), after 2 warm-up requests that
+    # pay for first-use costs (CUDA graphs replayed cold, caches, the first connection).
+    requests: int = 32
+    warmup: int = 2
     concurrency: int = 1
     max_tokens: int = 128
+    ignore_eos: bool = True
     prompts: tuple[str, ...] = PROMPTS
     timeout_s: float = 300.0
+    backend: str = "openai"  # or "sglang-bench": SGLang's own benchmark (sglangbench.py)
+    input_len: int = 128  # sglang-bench: the random-ids prompt length, in tokens
 
-    @classmethod
-    def with_prompt_file(cls, path: Path | None, **kw: Any) -> LoadSpec:
-        spec = cls(**kw)
-        if path is not None:
-            prompts = []
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    item = json.loads(line)
-                    prompts.append(item["prompt"] if isinstance(item, dict) else str(item))
-            spec.prompts = tuple(prompts) or PROMPTS
-        return spec
+    def describe(self) -> str:
+        eos = "fixed length (ignore_eos)" if self.ignore_eos else "up to"
+        return (
+            f"{self.backend}: {self.warmup} warm-up + {self.requests} requests x "
+            f"{self.max_tokens} output tokens ({eos}), concurrency {self.concurrency}"
+        )
 
 
 @dataclass
 class RequestResult:
     ok: bool
-    tokens: int = 0
-    counted_by: str = "words"  # "usage": the stream's own token count
+    tokens: int | None = None
+    counted_by: str | None = None  # "usage" | "length" (finish_reason at max_tokens) | None
     ttft_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
+    itl_s: float | None = None  # (last token - first token) / (tokens - 1)
     started: float = 0.0
     ended: float = 0.0
     error: str | None = None
 
+    @property
+    def tok_s(self) -> float | None:
+        return 1.0 / self.itl_s if self.itl_s else None
 
-def _pct(values: list[float], q: float) -> float | None:
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-quantile (0..1) with linear interpolation (numpy's default, SGLang's too)."""
     if not values:
         return None
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-async def _one(
-    client: httpx.AsyncClient, url: str, model: str, prompt: str, spec: LoadSpec
-) -> RequestResult:
-    body = {
+def spread(values: list[float]) -> dict[str, float | None]:
+    return {
+        "mean": statistics.fmean(values) if values else None,
+        "min": min(values) if values else None,
+        "p50": percentile(values, 0.5),
+        "p90": percentile(values, 0.9),
+        "p99": percentile(values, 0.99),
+        "max": max(values) if values else None,
+    }
+
+
+def request_body(model: str, prompt: str, spec: LoadSpec) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": spec.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if spec.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+async def _one(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, spec: LoadSpec
+) -> RequestResult:
+    import httpx  # noqa: PLC0415 - only a load needs it
+
     res = RequestResult(ok=False, started=time.perf_counter())
-    arrivals: list[tuple[float, int]] = []  # (time, words) of each chunk with text
+    arrivals: list[float] = []  # the time of each chunk that carried text
     usage: int | None = None
+    finish: str | None = None
     try:
+        body = request_body(model, prompt, spec)
         async with client.stream("POST", url, json=body, timeout=spec.timeout_s) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}"
@@ -91,12 +130,11 @@ async def _one(
                 chunk = json.loads(line[6:])
                 if chunk.get("usage") and chunk["usage"].get("completion_tokens") is not None:
                     usage = int(chunk["usage"]["completion_tokens"])
-                text = "".join(
-                    (c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or []
-                )
-                if text:
-                    arrivals.append((time.perf_counter(), max(1, len(text.split()))))
-        _count(res, arrivals, usage)
+                for choice in chunk.get("choices") or []:
+                    finish = choice.get("finish_reason") or finish
+                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+                    arrivals.append(time.perf_counter())
+        count(res, arrivals, usage, finish, spec.max_tokens)
         res.ok = True
     except (httpx.HTTPError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
@@ -104,68 +142,73 @@ async def _one(
     return res
 
 
-def _count(res: RequestResult, arrivals: list[tuple[float, int]], usage: int | None) -> None:
-    """Tokens, time to first token and inter-token latencies of one stream. The tokens are the
-    server's own count (`usage`, asked for with `stream_options.include_usage`), spread evenly
-    over the chunks that carried text; words stand in only for a server that sends no usage."""
-    if not arrivals:
-        res.tokens = usage or 0
-        res.counted_by = "usage" if usage is not None else "words"
-        return
-    res.ttft_s = arrivals[0][0] - res.started
+def count(
+    res: RequestResult,
+    arrivals: list[float],
+    usage: int | None,
+    finish: str | None,
+    max_tokens: int,
+) -> None:
+    """A stream's tokens, time to first token and inter-token latency. The tokens are the
+    server's: `usage` (asked for with `stream_options.include_usage`), else `max_tokens` when
+    the server stopped there (`finish_reason: length`); with neither, the count is unknown and
+    the request gives no latency (text is never counted: a word is not a token)."""
     if usage is not None:
         res.tokens, res.counted_by = usage, "usage"
-        per_chunk = [usage / len(arrivals)] * len(arrivals)
-    else:
-        per_chunk = [float(n) for _, n in arrivals]
-        res.tokens, res.counted_by = sum(n for _, n in arrivals), "words"
-    for (prev, _), (now, _), n in zip(arrivals, arrivals[1:], per_chunk[1:], strict=False):
-        if n > 0:
-            k = max(1, round(n))
-            res.itl_s.extend([(now - prev) / n] * k)
+    elif finish == "length":
+        res.tokens, res.counted_by = max_tokens, "length"
+    if arrivals:
+        res.ttft_s = arrivals[0] - res.started
+    if res.tokens is not None and res.tokens > 1 and len(arrivals) > 1:
+        res.itl_s = (arrivals[-1] - arrivals[0]) / (res.tokens - 1)
+
+
+def summarise(results: list[RequestResult], wall: float, spec: LoadSpec) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    counted = [r for r in ok if r.tokens is not None]
+    tokens = sum(r.tokens or 0 for r in counted)
+    by = {r.counted_by for r in ok}
+    ttft = spread([r.ttft_s for r in ok if r.ttft_s is not None])
+    itl = spread([r.itl_s for r in ok if r.itl_s is not None])
+    rate = spread([r.tok_s for r in ok if r.tok_s is not None])
+    out: dict[str, Any] = {
+        "backend": "openai",
+        "requests_ok": len(ok),
+        "requests_failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "output_tokens": tokens if counted else None,
+        # "usage" when every stream gave its count, "length" when the server said it stopped
+        # at max_tokens; "mixed" for both; null when a server gave neither (tok/s then unknown).
+        "tokens_counted_by": by.pop() if len(by) == 1 else ("mixed" if by else None),
+        "wall_s": wall,
+        # One stream's decode rate, the median over requests (the figure a user quotes).
+        "tok_s": rate["p50"],
+        # Every counted output token over the measured window (SGLang's output_throughput).
+        "total_tok_s": tokens / wall if counted and len(counted) == len(ok) and wall > 0 else None,
+        "concurrency": spec.concurrency,
+        "max_tokens": spec.max_tokens,
+        "ignore_eos": spec.ignore_eos,
+    }
+    for name, figures, unit in (("ttft", ttft, "_s"), ("itl", itl, "_s"), ("tok_s", rate, "")):
+        for key, value in figures.items():
+            out[f"{name}_{key}{unit}"] = value
+    return out
 
 
 async def run_load(base_url: str, spec: LoadSpec, model: str = "default") -> dict[str, Any]:
+    import httpx  # noqa: PLC0415 - only a load needs it
+
     url = base_url.rstrip("/") + "/v1/chat/completions"
-    async with httpx.AsyncClient(trust_env=False) as client:
-        for i in range(spec.warmup):
-            await _one(client, url, model, spec.prompts[i % len(spec.prompts)], spec)
+    limits = httpx.Limits(max_connections=max(1, spec.concurrency) + 1)
+    async with httpx.AsyncClient(trust_env=False, limits=limits) as client:
         sem = asyncio.Semaphore(max(1, spec.concurrency))
 
         async def go(i: int) -> RequestResult:
             async with sem:
                 return await _one(client, url, model, spec.prompts[i % len(spec.prompts)], spec)
 
+        await asyncio.gather(*(go(i) for i in range(spec.warmup)))
         t0 = time.perf_counter()
         results = await asyncio.gather(*(go(i) for i in range(spec.requests)))
         wall = time.perf_counter() - t0
-    ok = [r for r in results if r.ok]
-    tokens = sum(r.tokens for r in ok)
-    # Per request: tokens after the first over the time after the first (the decode rate).
-    streams = [
-        (r.tokens - 1) / (r.ended - r.started - r.ttft_s)
-        for r in ok
-        if r.ttft_s is not None and r.tokens > 1 and r.ended - r.started - r.ttft_s > 0
-    ]
-    itl = [x for r in ok for x in r.itl_s]
-    by = {r.counted_by for r in ok}
-    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
-    return {
-        "requests_ok": len(ok),
-        "requests_failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if r.error})[:5],
-        "output_tokens": tokens,
-        # "usage" when every stream gave its token count; "words" (or "mixed") when a server
-        # sent none and whitespace-separated words were counted instead.
-        "tokens_counted_by": by.pop() if len(by) == 1 else ("mixed" if by else None),
-        "wall_s": wall,
-        "tok_s": statistics.median(streams) if streams else None,
-        "total_tok_s": tokens / wall if wall > 0 else None,
-        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
-        "ttft_p50_s": _pct(ttft, 0.5),
-        "ttft_p99_s": _pct(ttft, 0.99),
-        "itl_mean_s": statistics.fmean(itl) if itl else None,
-        "itl_p50_s": _pct(itl, 0.5),
-        "itl_p99_s": _pct(itl, 0.99),
-        "concurrency": spec.concurrency,
-    }
+    return summarise(list(results), wall, spec)

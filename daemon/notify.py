@@ -114,7 +114,9 @@ class Webhooks:
         dump = build_dump(self.sup, why=kind)
         saved = None
         with contextlib.suppress(OSError):
-            saved = save_dump(self.sup.settings.state_dir, dump)
+            saved = await asyncio.to_thread(
+                save_dump, self.sup.settings.state_dir, dump, self.sup.settings.retention.dumps
+            )
         head = f"gpuwarden: {text}\n{dump.head(4)}"
         if saved is not None:
             head += f"\n(the whole dump: GET /dumps/{saved.stem})"

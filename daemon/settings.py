@@ -35,6 +35,14 @@ class Retention(_Strict):
     max_bytes: int = Field(2 * 1024**3, ge=1)
 
 
+class StateRetention(_Strict):
+    """What state_dir keeps: events.jsonl's lines, saved dumps, sweep folders (the newest)."""
+
+    events: int = Field(100_000, ge=1)
+    dumps: int = Field(200, ge=1)
+    sweeps: int = Field(50, ge=1)
+
+
 class RestartPolicy(_Strict):
     initial_delay_s: float = Field(10.0, ge=0)
     max_delay_s: float = Field(300.0, ge=0)
@@ -102,6 +110,7 @@ class Settings(_Strict):
     state_dir: Path = Path("./state")
     log_dir: Path = Path("./logs")
     log_retention: Retention = Field(default_factory=Retention)  # type: ignore[arg-type]
+    retention: StateRetention = Field(default_factory=StateRetention)  # type: ignore[arg-type]
     restart: RestartPolicy = Field(default_factory=RestartPolicy)  # type: ignore[arg-type]
     stop: StopPolicy = Field(default_factory=StopPolicy)  # type: ignore[arg-type]
     gpu: GpuSettings = Field(default_factory=GpuSettings)  # type: ignore[arg-type]

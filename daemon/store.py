@@ -11,10 +11,11 @@ import contextlib
 import json
 import os
 import tempfile
+import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from gpuwarden.daemon.safefile import RefusedFile, open_regular, read_regular, read_regular_tail
 
@@ -85,18 +86,85 @@ class EventLog:
     A failed write (disk full) never stops the daemon and is never sticky: every later append
     tries again, and the first that succeeds writes an ``events_gap`` line first, saying how
     many events are missing and why. The events themselves stay in memory (and the API).
+
+    With `retain`, the file keeps the newest `retain` lines: once it holds a tenth more,
+    `needs_prune` says so and `prune` (run on a thread) rewrites it atomically. Appends go on
+    meanwhile: those that land while the newest lines are copied are carried over under the
+    lock before the rename, so no line is lost.
     """
 
-    def __init__(self, path: Path, keep: int = 2000) -> None:
+    def __init__(self, path: Path, keep: int = 2000, retain: int | None = None) -> None:
         self.path = path
         self._recent: deque[dict[str, Any]] = deque(maxlen=keep)
         self.write_error: str | None = None
         self.lost = 0  # events not written since `write_error` began
         self._mid_line = False  # a failed write left part of a line in the file
         self.seq = 0
+        self.retain = retain
+        self._lock = threading.Lock()  # the descriptor and the line count, against `prune`
+        self._pruning = False
+        self.lines = self._count_lines() if retain is not None else 0
         self._load_tail(keep)
         self._fd: int | None = None
         self._open()
+
+    def _count_lines(self) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+        except OSError:
+            return 0
+
+    def needs_prune(self) -> bool:
+        """The file holds a tenth more than `retain` lines and no prune is under way; the
+        caller runs `prune` (on a thread)."""
+        if self.retain is None or self._pruning:
+            return False
+        if self.lines <= self.retain + max(1, self.retain // 10):
+            return False
+        self._pruning = True
+        return True
+
+    def prune(self) -> int:
+        """Rewrite the file with its newest `retain` lines (temp file, fsync, rename); the
+        number of lines removed. Blocking: run it off the event loop."""
+        try:
+            return self._prune()
+        finally:
+            self._pruning = False
+
+    def _prune(self) -> int:
+        assert self.retain is not None
+        with self._lock:
+            if self._fd is None:
+                return 0
+            size = os.fstat(self._fd).st_size  # what is copied now; later lines follow below
+        with open(self.path, "rb") as f:
+            kept, dropped = _newest_lines(f, size, self.retain)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.writelines(kept)
+                out.flush()
+                os.fsync(out.fileno())
+                with self._lock:
+                    if self._fd is None:
+                        raise OSError("the event log was closed")
+                    with open(self.path, "rb") as f:  # lines appended since `size`
+                        f.seek(size)
+                        late = f.read()
+                    out.write(late)  # a few lines at most; appended lines get no fsync either
+                    out.flush()
+                    os.replace(tmp, self.path)
+                    new_fd = open_regular(self.path, os.O_WRONLY | os.O_APPEND)
+                    os.close(self._fd)
+                    self._fd = new_fd
+                    self.lines = len(kept) + late.count(b"\n")
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return dropped
 
     def _open(self) -> bool:
         try:
@@ -123,7 +191,9 @@ class EventLog:
         self.seq += 1
         event = {"seq": self.seq, **event}
         self._recent.append(event)
-        self._write((json.dumps(event, default=str) + "\n").encode())
+        line = (json.dumps(event, default=str) + "\n").encode()
+        with self._lock:
+            self._write(line)
         return event
 
     def _write(self, line: bytes) -> None:
@@ -152,6 +222,7 @@ class EventLog:
             self._mid_line = self._mid_line or written > 0
             return
         self.write_error, self.lost, self._mid_line = None, 0, False
+        self.lines += line.count(b"\n")
 
     def recent(
         self, limit: int = 100, kind: str | None = None, after: int | None = None
@@ -165,10 +236,37 @@ class EventLog:
         return items[-limit:] if limit > 0 else []
 
     def close(self) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
-            self._fd = None
+        with self._lock:
+            if self._fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self._fd)
+                self._fd = None
+
+
+def _newest_lines(f: BinaryIO, size: int, n: int) -> tuple[list[bytes], int]:
+    """(the last `n` whole lines of the file's first `size` bytes, how many lines came
+    before them), reading backwards in blocks: only the kept part is held in memory."""
+    block = 1 << 20
+    end = size
+    tail = b""
+    while end > 0 and tail.count(b"\n") <= n:
+        start = max(0, end - block)
+        f.seek(start)
+        tail = f.read(end - start) + tail
+        end = start
+    lines = tail.splitlines(keepends=True)
+    kept = lines[-n:] if n > 0 else []
+    dropped = len(lines) - len(kept)
+    if end > 0:  # the part not read holds lines too: count them
+        f.seek(0)
+        left = end
+        while left > 0:
+            chunk = f.read(min(block, left))
+            if not chunk:
+                break
+            dropped += chunk.count(b"\n")
+            left -= len(chunk)
+    return kept, dropped
 
 
 def event_ts() -> str:

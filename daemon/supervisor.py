@@ -62,7 +62,9 @@ class Supervisor:
         self.configs = configs or ConfigStore(settings.configs_dir)
         self.clock: Clock = clock or SystemClock()
         self.store = store or StateStore(settings.state_dir)
-        self.events = events or EventLog(settings.state_dir / "events.jsonl")
+        self.events = events or EventLog(
+            settings.state_dir / "events.jsonl", retain=settings.retention.events
+        )
         self.preflight = preflight or Preflight()
         self._inbox: asyncio.Queue[Message] = asyncio.Queue()
         self.host = Host(

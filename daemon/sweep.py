@@ -5,26 +5,31 @@ its OpenAI-compatible endpoint, and the server's own `Decode batch` figures duri
 window. A config that is refused or crashes is recorded with its reason and log reference and
 the sweep goes on. At the end (or on cancel) the config that was serving before (or `end_on`)
 is restored. Results: `table.md`, `table.csv`, `chart.png`, `result.json` under
-`state_dir/sweeps/ID/`.
+`state_dir/sweeps/ID/`; the sweeps of earlier lives are read back from there on first use, and
+only the newest `retention.sweeps` folders are kept (never a running sweep's).
+
+httpx is imported where a sweep asks the server something, never when the daemon starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import shutil
 import statistics
 import time
+from pathlib import Path
 from typing import Any
-
-import httpx
 
 from gpuwarden.daemon import history, logsetup
 from gpuwarden.daemon.errors import CommandError, config_refusal
 from gpuwarden.daemon.load import LoadSpec, run_load
+from gpuwarden.daemon.sglangbench import run_sglang_bench
 from gpuwarden.daemon.supervisor import Supervisor
 
 from .sglanglines import parse_line
-from .sweepreport import Sweep, write_report
+from .sweepreport import Sweep, read_sweeps, write_report
 
 log = logsetup.get_logger("gpuwarden.sweep")
 
@@ -32,8 +37,36 @@ log = logsetup.get_logger("gpuwarden.sweep")
 class SweepManager:
     def __init__(self, supervisor: Supervisor) -> None:
         self.sup = supervisor
-        self.sweeps: dict[str, Sweep] = {}
+        self._sweeps: dict[str, Sweep] | None = None  # read from state_dir/sweeps on first use
         self.active: Sweep | None = None
+
+    @property
+    def root(self) -> Path:
+        return self.sup.settings.state_dir / "sweeps"
+
+    @property
+    def sweeps(self) -> dict[str, Sweep]:
+        """Every sweep known, oldest first: this life's and those recorded by earlier ones."""
+        if self._sweeps is None:
+            self._sweeps = read_sweeps(self.root)
+        return self._sweeps
+
+    def listing(self) -> list[dict[str, Any]]:
+        return [s.summary() for s in self.sweeps.values()]
+
+    def prune(self) -> list[str]:
+        """Keep the newest `retention.sweeps` sweeps, their folders with them; never a running
+        one. Returns the ids removed."""
+        keep = self.sup.settings.retention.sweeps
+        done = [s for s in self.sweeps.values() if s.state != "running"]
+        running = len(self.sweeps) - len(done)
+        excess = len(done) - max(0, keep - running)
+        removed = []
+        for sweep in done[: max(0, excess)]:
+            shutil.rmtree(sweep.folder, ignore_errors=True)
+            self.sweeps.pop(sweep.id, None)
+            removed.append(sweep.id)
+        return removed
 
     def start(
         self,
@@ -53,7 +86,7 @@ class SweepManager:
             self._exists(name)
         sweep_id = time.strftime("sweep-%Y%m%dT%H%M%S", time.gmtime())
         n = 1
-        while sweep_id in self.sweeps:
+        while sweep_id in self.sweeps or (self.root / sweep_id).exists():
             n += 1
             sweep_id = f"{sweep_id.split('.')[0]}.{n}"
         sweep = Sweep(
@@ -62,7 +95,7 @@ class SweepManager:
             baseline=baseline or configs[0],
             end_on=end_on,
             load=load or LoadSpec(),
-            folder=self.sup.settings.state_dir / "sweeps" / sweep_id,
+            folder=self.root / sweep_id,
         )
         self.sweeps[sweep_id] = sweep
         self.active = sweep
@@ -104,6 +137,7 @@ class SweepManager:
         snap = sup.snapshot()
         sweep.original = snap.intent_config if snap.intent_running else None
         try:
+            await asyncio.to_thread(write_report, sweep, sup.configs, False)
             for name in sweep.configs:
                 sweep.current = name
                 sup.post_event(
@@ -114,6 +148,8 @@ class SweepManager:
                     total=len(sweep.configs),
                 )
                 sweep.rows.append(await self._one(sweep, name))
+                # The record so far: a daemon that dies now still lists it (as interrupted).
+                await asyncio.to_thread(write_report, sweep, sup.configs, False)
             sweep.state = "done"
         except asyncio.CancelledError:
             sweep.state = "cancelled"
@@ -124,10 +160,14 @@ class SweepManager:
             sweep.rows.append({"config": sweep.current, "status": "error", "reason": repr(exc)})
         finally:
             sweep.current = None
-            write_report(sweep, self.sup.configs)
+            await asyncio.to_thread(write_report, sweep, self.sup.configs)
             if sweep.state == "done":
                 await self._restore(sweep)
-                write_report(sweep, self.sup.configs)
+            sweep.ended_at = time.time()  # the sweep's whole answer is in (restore included)
+            await asyncio.to_thread(write_report, sweep, self.sup.configs)
+            removed = await asyncio.to_thread(self.prune)
+            if removed:
+                sup.post_event("sweeps_pruned", sweep_ids=removed)
             sup.post_event(
                 "sweep_finished", sweep_id=sweep.id, state=sweep.state, winner=sweep.winner
             )
@@ -172,19 +212,31 @@ class SweepManager:
 
         sup.line_listeners.add(listener)
         try:
-            result = await run_load(base, sweep.load)
+            if sweep.load.backend == "sglang-bench":
+                env = cfg.process_env(os.environ)
+                key = cfg.config.args.get("api-key")
+                if isinstance(key, str) and key:
+                    env["OPENAI_API_KEY"] = key  # the benchmark's bearer token
+                result = await run_sglang_bench(
+                    list(cfg.config.command),
+                    env,
+                    base,
+                    sweep.load,
+                    output=sweep.folder / f"{name}.bench.jsonl",
+                )
+            else:
+                result = await run_load(base, sweep.load)
         finally:
             sup.line_listeners.discard(listener)
-        info_accept = None
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
-            async with httpx.AsyncClient(trust_env=False, timeout=10) as c:
-                info = (await c.get(base + "/get_server_info")).json()
-                info_accept = info["internal_states"][0].get("avg_spec_accept_length")
+        info_accept = await _server_accept_length(base)
         gen = [d["gen_throughput_tok_s"] for d in decode if "gen_throughput_tok_s" in d]
         acc = [d["accept_len"] for d in decode if "accept_len" in d]
+        ok = result["requests_ok"] and not result.get("error")
         return {
             **row,
-            "status": "ok" if result["requests_ok"] else "failed",
+            "status": "ok" if ok else "failed",
+            "reason": None if ok else "load_failed",
+            "evidence": None if ok else (result.get("error") or "; ".join(result["errors"])),
             **result,
             "server_gen_tok_s": statistics.median(gen) if gen else None,
             "server_accept_len": statistics.fmean(acc) if acc else None,
@@ -200,3 +252,15 @@ class SweepManager:
             await self.sup.restart(target, wait=True, sweep_id=sweep.id, ensure=True)
             sweep.restored = target
         self.sup.post_event("sweep_restored", sweep_id=sweep.id, config=target)
+
+
+async def _server_accept_length(base: str) -> float | None:
+    """SGLang's own average accept length (`/get_server_info`), when the server has one."""
+    import httpx  # noqa: PLC0415 - only a sweep asks
+
+    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as c:
+            info = (await c.get(base + "/get_server_info")).json()
+            value = info["internal_states"][0].get("avg_spec_accept_length")
+            return float(value) if value is not None else None
+    return None

@@ -162,6 +162,27 @@ def add_standin_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
     parser.add_argument(
         "--standin-seed", type=int, default=0, help="seed for accept lengths and token text"
     )
+    parser.add_argument(
+        "--standin-token-text",
+        choices=("words", "pieces"),
+        default="words",
+        help="the text of a token: a whole word, or half of one (as a real tokenizer splits "
+        "words: then words are not tokens)",
+    )
+    parser.add_argument(
+        "--standin-stream-usage",
+        choices=("asked", "never"),
+        default="asked",
+        help="a stream's usage chunk: when stream_options.include_usage asks, or never (as "
+        "some servers)",
+    )
+    parser.add_argument(
+        "--standin-eos-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a completion ends at EOS after N tokens unless the request says ignore_eos",
+    )
     add_fault_args(parser)
 
 

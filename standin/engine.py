@@ -82,5 +82,14 @@ class EngineClient:
                 self.send(("abort", rid))
 
 
-def token_text(start: int, count: int) -> str:
-    return "".join(WORDS[(start + i) % len(WORDS)] + " " for i in range(count))
+def token_text(start: int, count: int, pieces: bool = False) -> str:
+    """Filler text for tokens start..start+count: a word each, or with `pieces` half a word
+    each (the second half carries the space), so that words are not tokens."""
+    if not pieces:
+        return "".join(WORDS[(start + i) % len(WORDS)] + " " for i in range(count))
+    out = []
+    for i in range(start, start + count):
+        word = WORDS[(i // 2) % len(WORDS)]
+        cut = max(1, len(word) // 2)
+        out.append(word[:cut] if i % 2 == 0 else word[cut:] + " ")
+    return "".join(out)

@@ -2,8 +2,10 @@
 
 Each request goes to rank 0's batch loop through the engine client and is answered whole or as
 server-sent events (``stream``), with the usage counts SGLang reports (on a stream only when
-``stream_options.include_usage`` asks). The text is filler words; the token counts and the
-pacing are what a supervisor or a benchmark observes.
+``stream_options.include_usage`` asks, never with ``--standin-stream-usage never``). The text
+is filler words (half-words with ``--standin-token-text pieces``); the token counts and the
+pacing are what a supervisor or a benchmark observes. With ``--standin-eos-after N`` a request
+ends at EOS after N tokens unless it says ``ignore_eos``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,16 @@ def sse(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 
 
 def generate_routes(server: StandinServer) -> list[Route]:
+    pieces = server.args.standin_token_text == "pieces"
+    never_usage = server.args.standin_stream_usage == "never"
+
+    def length(max_new: int, ignore_eos: Any) -> tuple[int, str]:
+        """(tokens to generate, finish reason): EOS comes first unless ignored."""
+        eos = server.args.standin_eos_after
+        if eos is not None and not ignore_eos and eos < max_new:
+            return max(1, eos), "stop"
+        return max_new, "length"
+
     async def generate(request: Request) -> Response:
         body = await read_json(request)
         if isinstance(body, Response):
@@ -52,7 +64,9 @@ def generate_routes(server: StandinServer) -> list[Route]:
         on_first_request(server)
         assert server.engine is not None
         params = body.get("sampling_params") or {}
-        max_new = int(params.get("max_new_tokens", 128))
+        max_new, reason = length(
+            int(params.get("max_new_tokens", 128)), params.get("ignore_eos", False)
+        )
         prompt = body.get("text") or ""
         prompt_tokens = len(body.get("input_ids") or []) or max(1, len(str(prompt).split()))
         rid = uuid.uuid4().hex
@@ -62,14 +76,14 @@ def generate_routes(server: StandinServer) -> list[Route]:
             text = ""
             tic = time.monotonic()
             async for n in server.engine.generate(prompt_tokens, max_new):  # type: ignore[union-attr]
-                text += token_text(done, n)
+                text += token_text(done, n, pieces)
                 done += n
                 yield {
                     "text": text,
                     "meta_info": {
                         "id": rid,
                         "finish_reason": (
-                            {"type": "length", "length": done} if done >= max_new else None
+                            {"type": reason, "length": done} if done >= max_new else None
                         ),
                         "prompt_tokens": prompt_tokens,
                         "completion_tokens": done,
@@ -126,6 +140,8 @@ def generate_routes(server: StandinServer) -> list[Route]:
         model = body.get("model") or server.model_name
         obj = "chat.completion" if chat else "text_completion"
         usage_requested = bool((body.get("stream_options") or {}).get("include_usage"))
+        usage_requested = usage_requested and not never_usage
+        max_new, reason = length(max_new, body.get("ignore_eos", False))
 
         def usage(done: int) -> dict[str, int]:
             return {
@@ -140,9 +156,9 @@ def generate_routes(server: StandinServer) -> list[Route]:
                 done = 0
                 first = True
                 async for n in server.engine.generate(prompt_tokens, max_new):  # type: ignore[union-attr]
-                    piece = token_text(done, n)
+                    piece = token_text(done, n, pieces)
                     done += n
-                    finish = "length" if done >= max_new else None
+                    finish = reason if done >= max_new else None
                     if chat:
                         delta: dict[str, Any] = {"content": piece}
                         if first:
@@ -173,14 +189,14 @@ def generate_routes(server: StandinServer) -> list[Route]:
         done = 0
         text = ""
         async for n in server.engine.generate(prompt_tokens, max_new):
-            text += token_text(done, n)
+            text += token_text(done, n, pieces)
             done += n
         choice = (
             {"index": 0, "message": {"role": "assistant", "content": text}}
             if chat
             else {"index": 0, "text": text}
         )
-        choice["finish_reason"] = "length"
+        choice["finish_reason"] = reason
         return JSONResponse(
             {
                 "id": cid,

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import csv
+import io
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
 
-from .conftest import PY, Proc, free_port
+import pytest
+
+from .conftest import PY, Proc, free_port, wait_until
 from .daemon_harness import standin_config, start_daemon
 
 EAGLE = [
@@ -81,8 +86,15 @@ def test_a_sweep_runs_unattended_and_answers(
         and "speculative-num-draft-tokens=5" in md
         and "winner: baseline" in md
     )
-    csv = d.http.get(f"/sweeps/{sid}/table.csv").text
-    assert csv.splitlines()[0].startswith("config,flags vs baseline,tok/s")
+    for name in SEED:  # fixed-length answers, counted by the server, with their spread
+        r = rows[name]
+        assert r["output_tokens"] == 2 * 120 and r["ignore_eos"] is True, r
+        assert r["ttft_p50_s"] <= r["ttft_p90_s"] <= r["ttft_p99_s"] <= r["ttft_max_s"]
+        assert r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"]
+        assert abs(r["itl_p50_s"] * r["tok_s"] - 1) < 0.05, r  # ITL and tok/s from tokens
+    csv_text = d.http.get(f"/sweeps/{sid}/table.csv").text
+    assert csv_text.splitlines()[0].startswith("config,flags vs baseline,status,reason,tok/s")
+    assert_numeric(csv_text)
     png = d.http.get(f"/sweeps/{sid}/chart.png")
     assert png.headers["content-type"] == "image/png" and png.content[:4] == b"\x89PNG"
     assert (tmp_path / "state" / "sweeps" / sid / "chart.png").exists()
@@ -124,7 +136,13 @@ def test_cli_sweep_and_cancel_restores(procs: list[Proc], tmp_path: Path, fake_g
         check=False,
     )
     assert res.returncode == 0, res.stderr
-    assert "| eagle3_cg_5 |" in res.stdout and "restored: baseline" in res.stdout
+    # A plain aligned table, not Markdown: the header and each row start in column 0.
+    lines = res.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("config "))
+    assert "|" not in res.stdout and "tok/s (p50)" in header and "TTFT p50 (ms)" in header
+    row = next(line for line in lines if line.startswith("eagle3_cg_5 "))
+    assert header.index("flags vs baseline") == row.index("speculative"), (header, row)
+    assert "restored: baseline" in res.stdout and "chart.png" in res.stdout
     sid = d.http.post(
         "/sweeps", json={"configs": ["eagle3_cg_5", "baseline"], "max_tokens": 400, "requests": 3}
     ).json()["id"]
@@ -135,15 +153,192 @@ def test_cli_sweep_and_cancel_restores(procs: list[Proc], tmp_path: Path, fake_g
     assert d.status()["config"] == "baseline"
 
 
-def test_tokens_are_the_streams_usage_and_words_only_without_it() -> None:
-    from gpuwarden.daemon.load import RequestResult, _count  # noqa: PLC0415
+def assert_numeric(text: str) -> None:
+    """Every cell of a number column is a number or empty; the units are in the header."""
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert rows
+    words = {"config", "flags vs baseline", "status", "reason", "evidence"}
+    for row in rows:
+        for column, cell in row.items():
+            if column not in words and cell != "":
+                float(cell)  # raises on "82.3 tok/s", "1.10x", "-", "2/0"
+                assert "(" not in cell and "x" not in cell, (column, cell)
 
-    # Three chunks of text; the words say 9, the server says 6 tokens.
-    arrivals = [(10.5, 3), (11.0, 3), (11.5, 3)]
+
+def sweep_of(d: Any, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+    res = d.http.post("/sweeps", json=body)
+    assert res.status_code == 202, res.text
+    sid = res.json()["id"]
+
+    def ended() -> bool:
+        return d.http.get(f"/sweeps/{sid}").json().get("ended_at") is not None
+
+    wait_until(ended, timeout, f"sweep {sid} to end")
+    view: dict[str, Any] = d.http.get(f"/sweeps/{sid}").json()
+    return view
+
+
+def test_tokens_are_the_servers_count_never_words_and_answers_are_fixed_length(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """A server whose tokens are half-words, that ends answers at EOS after 20 tokens unless
+    told `ignore_eos`, and (`mute`) sends no usage even when asked."""
+    port = free_port()
+    flags = ("--standin-token-text=pieces", "--standin-eos-after=20", "--standin-seed=3")
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {
+            "usage": standin_config(*flags, port=port),
+            "mute": standin_config(*flags, "--standin-stream-usage=never", port=port),
+        },
+        default="usage",
+    )
+    d.wait_state("ready")
+    body = {"configs": ["usage", "mute"], "requests": 3, "warmup": 1, "max_tokens": 60}
+    rows = {r["config"]: r for r in sweep_of(d, body)["rows"]}
+    assert rows["usage"]["tokens_counted_by"] == "usage"
+    assert rows["mute"]["tokens_counted_by"] == "length"  # finish_reason: length at max_tokens
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        # ignore_eos was sent: 60 tokens each (30 words; EOS would have ended them at 20).
+        assert r["output_tokens"] == 3 * 60, r
+        # ITL = (last token - first) / 59 tokens; 90 tok/s is the stand-in's pace.
+        assert 0.85 / 90 <= r["itl_p50_s"] <= 1.15 / 90, r
+        assert 90 * 0.85 <= r["tok_s"] <= 90 * 1.15, r
+    # Without ignore_eos the server's EOS ends each answer at 20 tokens.
+    body = {**body, "configs": ["usage"], "ignore_eos": False}
+    row = sweep_of(d, body)["rows"][0]
+    assert row["output_tokens"] == 3 * 20 and row["tokens_counted_by"] == "usage", row
+
+
+def test_itl_is_from_token_counts_and_a_stream_without_a_count_gives_none() -> None:
+    from gpuwarden.daemon.load import LoadSpec, RequestResult, count, summarise  # noqa: PLC0415
+
+    # Three chunks of text over one second; the server says 6 tokens.
+    arrivals = [10.5, 11.0, 11.5]
     res = RequestResult(ok=True, started=10.0)
-    _count(res, arrivals, usage=6)
+    count(res, arrivals, usage=6, finish="length", max_tokens=8)
     assert (res.tokens, res.counted_by, res.ttft_s) == (6, "usage", 0.5)
-    assert res.itl_s == [0.25, 0.25, 0.25, 0.25]  # 0.5 s per chunk of 2 tokens
-    words = RequestResult(ok=True, started=10.0)
-    _count(words, arrivals, usage=None)
-    assert (words.tokens, words.counted_by) == (9, "words")
+    assert res.itl_s == 0.2 and res.tok_s == 5.0  # 1 s over 5 gaps between 6 tokens
+    length = RequestResult(ok=True, started=10.0)
+    count(length, arrivals, usage=None, finish="length", max_tokens=8)
+    assert (length.tokens, length.counted_by, length.itl_s) == (8, "length", 1 / 7)
+    unknown = RequestResult(ok=True, started=10.0)
+    count(unknown, arrivals, usage=None, finish="stop", max_tokens=8)
+    assert (unknown.tokens, unknown.counted_by, unknown.itl_s) == (None, None, None)
+    out = summarise([res, length, unknown], wall=2.0, spec=LoadSpec())
+    assert out["tokens_counted_by"] == "mixed" and out["total_tok_s"] is None
+    assert out["output_tokens"] == 14 and out["requests_ok"] == 3
+    assert out["tok_s_min"] == pytest.approx(5.0) and out["tok_s_max"] == pytest.approx(7.0)
+    assert out["tok_s"] == pytest.approx(6.0)  # the median of two requests' rates
+
+
+def test_sweeps_are_listed_pruned_to_the_newest_and_kept_across_a_restart(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    cfgs = {"a": standin_config("--standin-seed=3")}
+    d = start_daemon(procs, tmp_path, fake_gpu, cfgs, default="a", retention={"sweeps": 2})
+    d.wait_state("ready")
+    body = {"configs": ["a"], "requests": 2, "warmup": 0, "max_tokens": 8}
+    ids = [sweep_of(d, body)["id"] for _ in range(3)]
+    listed = d.http.get("/sweeps").json()["sweeps"]
+    assert [s["id"] for s in listed] == ids[1:]  # the oldest went, folder and all
+    assert sorted(p.name for p in (tmp_path / "state" / "sweeps").iterdir()) == sorted(ids[1:])
+    assert d.wait_event("server.sweeps_pruned")["sweep_ids"] == ids[:1]
+    first = listed[0]
+    assert first["configs"] == ["a"] and first["state"] == "done" and first["best"] == "a"
+    assert first["best_tok_s"] > 0 and first["ended_at"] >= first["started_at"]
+    assert d.http.get(f"/sweeps/{ids[0]}").status_code == 404
+
+    d.proc.signal(signal.SIGTERM)
+    assert d.proc.wait(30) == 0
+    again = start_daemon(procs, tmp_path, fake_gpu, cfgs, default="a", retention={"sweeps": 2})
+    assert again.http.get("/sweeps").json()["sweeps"] == listed
+    view = again.http.get(f"/sweeps/{ids[2]}").json()
+    assert view["rows"][0]["config"] == "a" and view["rows"][0]["status"] == "ok"
+    assert_numeric(again.http.get(f"/sweeps/{ids[2]}/table.csv").text)
+    assert again.http.get(f"/sweeps/{ids[2]}/chart.png").content[:4] == b"\x89PNG"
+
+
+SWEEP_CLI = [PY, "-m", "gpuwarden.api.cli", "sweep"]
+NO_MATPLOTLIB = """
+import sys
+
+
+class NoCharts:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "matplotlib":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NoCharts())
+"""
+
+
+def test_a_chart_without_the_charts_extra_says_how_to_get_it(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """matplotlib is hidden from the daemon (an import hook in its sitecustomize): the sweep's
+    table and CSV come, and the chart's absence names the extra, over HTTP and in the CLI."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(NO_MATPLOTLIB)
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"a": standin_config()},
+        default="a",
+        env={"PYTHONPATH": str(hook)},
+    )
+    d.wait_state("ready")
+    view = sweep_of(d, {"configs": ["a"], "requests": 1, "warmup": 0, "max_tokens": 8})
+    assert view["state"] == "done" and view["rows"][0]["status"] == "ok"
+    res = d.http.get(f"/sweeps/{view['id']}/chart.png")
+    assert res.status_code == 404, res.text
+    assert res.json()["extra"] == "charts"
+    assert "pip install 'gpuwarden[charts]'" in res.json()["detail"]
+    assert d.http.get(f"/sweeps/{view['id']}/table.csv").status_code == 200
+    assert not (Path(view["folder"]) / "chart.png").exists()
+    cli = subprocess.run(
+        [*SWEEP_CLI, "a", "--requests=1", "--warmup=0", "--max-tokens=8", "--url", d.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert "no chart: charts need matplotlib" in cli.stdout
+    assert "pip install 'gpuwarden[charts]'" in cli.stdout
+
+
+def test_the_sglang_bench_load_runs_with_the_configs_python_and_says_why_it_failed(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """The stand-in's Python has no SGLang: the benchmark runs, exits 1, and the row says so
+    (`make test-real` runs it against the real SGLang)."""
+    d = start_daemon(procs, tmp_path, fake_gpu, {"a": standin_config()}, default="a")
+    d.wait_state("ready")
+    body = {"configs": ["a"], "backend": "sglang-bench", "requests": 2, "warmup": 0}
+    row = sweep_of(d, body)["rows"][0]
+    assert row["status"] == "failed" and row["reason"] == "load_failed", row
+    assert "the benchmark exited 1" in row["evidence"] and "sglang" in row["evidence"], row
+    head = Path(row["bench_log"]).read_text().splitlines()[0]
+    assert head.startswith(f"$ {PY} -m sglang.benchmark.serving --backend sglang --base-url")
+    assert "--dataset-name random-ids" in head and "--random-range-ratio 1.0" in head
+
+
+def test_the_benchmarks_python_is_command0_or_its_scripts_shebang(tmp_path: Path) -> None:
+    from gpuwarden.daemon.sglangbench import BenchError, interpreter  # noqa: PLC0415
+
+    script = tmp_path / "sglang"
+    script.write_text(f"#!{PY}\nprint('hi')\n")
+    assert interpreter([PY, "-m", "sglang.launch_server"], {}) == PY
+    assert interpreter([str(script), "serve"], {}) == PY
+    other = tmp_path / "server"
+    other.write_text("#!/bin/sh\nexit 0\n")
+    with pytest.raises(BenchError, match="not a Python interpreter"):
+        interpreter([str(other)], {})
