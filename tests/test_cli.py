@@ -332,7 +332,8 @@ def test_sweep_shows_progress_then_the_table(
     argv = ["sweep", "c", "--requests", "1", "--warmup", "0", "--max-tokens", "8", "--url", d.url]
     res = cli(*argv)
     assert res.returncode == 0, res.stderr
-    assert "| c |" in res.stdout and "files: " in res.stdout, res.stdout
+    assert re.search(r"^c +\(baseline\) .* ok$", res.stdout, re.M), res.stdout
+    assert "files: " in res.stdout, res.stdout
     assert re.search(r"^\[\d+s\] sweep-\S+: [01]/1 · (c|finishing)$", res.stderr, re.M), res.stderr
 
 
