@@ -1,7 +1,7 @@
 """The ``gpuwarden`` command line.
 
-Starting it imports the client commands only: `serve` and `demo` bring the control plane and
-the supervisor (fastapi, uvicorn, pydantic), imported when one of them runs."""
+Starting it imports the parsers only: a client command imports the HTTP client, and `serve`
+and `demo` the control plane and the supervisor (fastapi, uvicorn, pydantic), when one runs."""
 
 from __future__ import annotations
 
@@ -12,18 +12,27 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import client, completion, fakegpu_cli, target
+from . import completion, fakegpu_cli, parsers
 
 DEMO_DEFAULT_LISTEN = "127.0.0.1:8600"
 
 
+def _daemon_imports() -> None:
+    """Before the daemon's imports. FastAPI imports `pydantic.v1` (1.4 MiB resident for the
+    daemon's life) when it registers a route, only to refuse pydantic v1 models; the daemon
+    has none, so that import is turned down here and FastAPI's check answers "not v1"."""
+    sys.modules.setdefault("pydantic.v1", None)  # type: ignore[arg-type]
+
+
 def _serve(args: argparse.Namespace) -> int:
+    _daemon_imports()
     from .serve import run  # noqa: PLC0415 - the daemon, only when it runs
 
     return run(args)
 
 
 def _demo(args: argparse.Namespace) -> int:
+    _daemon_imports()
     from .demo import run  # noqa: PLC0415 - the daemon, only when it runs
 
     return run(args)
@@ -51,12 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpuwarden",
         description="Supervise an SGLang inference server on a GPU host.",
-        parents=[target.global_flags(on_subcommand=False)],
+        parents=[parsers.global_flags(on_subcommand=False)],
     )
     parser.add_argument("--version", action="version", version=f"gpuwarden {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_serve_parsers(sub)
-    client.add_parsers(sub)
+    parsers.add_client_parsers(sub)
     fakegpu_cli.add_parser(sub)
     completion.add_parser(sub)
     return parser
@@ -82,7 +91,9 @@ def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.func.__module__ == client.__name__:
+        if args.func == parsers.CLIENT:
+            from . import client  # noqa: PLC0415 - not in `serve`'s memory
+
             return client.run(args)
         return int(args.func(args))
     except KeyboardInterrupt:

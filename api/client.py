@@ -17,84 +17,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import follow, render
-from .target import ClientError, call, connect, global_flags, resolve_target
+from .target import ClientError, call, connect, resolve_target
 from .transport import ConnectFailed, InvalidUrl, TransportError
 
 EXIT_NOT_READY = 3  # `status` of a server that is not ready (systemctl: unit not active)
-
-
-def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    common = global_flags(on_subcommand=True)
-    p = sub.add_parser(
-        "status", parents=[common], help="the server's state, config, last exit and GPUs"
-    )
-    p.set_defaults(func=cmd_status)
-
-    p = sub.add_parser(
-        "restart", parents=[common], help="restart the current config, or swap to CONFIG"
-    )
-    p.add_argument("config", nargs="?")
-    p.add_argument(
-        "--wait",
-        action="store_true",
-        help="wait for the outcome, showing progress (1 on a rollback or failure); a swap is "
-        "waited for through its probation",
-    )
-    p.add_argument(
-        "--no-probation",
-        dest="probation",
-        action="store_false",
-        help="with --wait: stop waiting at ready, before the probation is over",
-    )
-    p.set_defaults(func=cmd_restart)
-
-    p = sub.add_parser("start", parents=[common], help="start CONFIG (or the saved one)")
-    p.add_argument("config", nargs="?")
-    p.set_defaults(func=cmd_start)
-
-    p = sub.add_parser("stop", parents=[common], help="stop the server and leave it stopped")
-    p.set_defaults(func=cmd_stop)
-
-    p = sub.add_parser("logs", parents=[common], help="the server's log")
-    p.add_argument("-n", "--lines", type=int, default=100)
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
-    p.add_argument("--launch", default=None, help="a launch id, or `previous`")
-    p.set_defaults(func=cmd_logs)
-
-    p = sub.add_parser("events", parents=[common], help="recent events")
-    p.add_argument("-n", "--limit", type=int, default=30)
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
-    p.set_defaults(func=cmd_events)
-
-    p = sub.add_parser("configs", parents=[common], help="the named configs")
-    p.set_defaults(func=cmd_configs)
-
-    p = sub.add_parser(
-        "check", parents=[common], help="preflight CONFIG without touching the running server"
-    )
-    p.add_argument("config")
-    p.add_argument("--offline", action="store_true", help="check here, without a daemon")
-    p.set_defaults(func=cmd_check)
-
-    p = sub.add_parser(
-        "sweep", parents=[common], help="benchmark configs in turn: table, CSV, chart"
-    )
-    p.add_argument("configs", nargs="+", metavar="CONFIG")
-    p.add_argument("--baseline", default=None, help="the reference config (default: the first)")
-    p.add_argument("--end-on", default=None, help="the config to serve at the end")
-    p.add_argument("--requests", type=int, default=32, help="measured requests per config")
-    p.add_argument("--warmup", type=int, default=2, help="warm-up requests, not counted")
-    p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
-    p.add_argument(
-        "--no-ignore-eos", dest="ignore_eos", action="store_false", help="let EOS end answers"
-    )
-    p.add_argument("--backend", choices=("openai", "sglang-bench"), default="openai")
-    p.add_argument("--input-len", type=int, default=128, help="sglang-bench: prompt tokens")
-    p.set_defaults(func=cmd_sweep)
-
-    p = sub.add_parser("dump", parents=[common], help="the diagnostic dump")
-    p.set_defaults(func=cmd_dump)
 
 
 def _print_json(data: Any) -> None:
@@ -359,9 +285,23 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.func is not cmd_check or not args.offline:
+        if args.command != "check" or not args.offline:
             resolve_target(args)
-        return int(args.func(args))
+        return int(COMMANDS[args.command](args))
     except ClientError as exc:
         print(f"gpuwarden: {exc}", file=sys.stderr)
         return 1
+
+
+COMMANDS = {
+    "status": cmd_status,
+    "restart": cmd_restart,
+    "start": cmd_start,
+    "stop": cmd_stop,
+    "logs": cmd_logs,
+    "events": cmd_events,
+    "configs": cmd_configs,
+    "check": cmd_check,
+    "sweep": cmd_sweep,
+    "dump": cmd_dump,
+}

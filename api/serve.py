@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
+import gc
 import os
 import resource
 import signal
@@ -89,6 +91,17 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def release_startup_memory() -> None:
+    """Once started: the imports' garbage (pydantic and FastAPI build their schemas then) is
+    collected, what is left is moved out of the collector's way for the daemon's life (a full
+    collection no longer walks a startup's worth of objects), and glibc gives the freed heap
+    back to the system. About 1 MiB of the idle daemon's resident memory."""
+    gc.collect()
+    gc.freeze()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 async def serve(settings: Settings, on_listening: Callable[[str, int], None] | None = None) -> int:
     """Run the daemon until SIGTERM/SIGINT. `on_listening(host, port)` is called with the bound
     address once the control plane answers (port 0 in the settings becomes the real one)."""
@@ -155,6 +168,7 @@ async def serve(settings: Settings, on_listening: Callable[[str, int], None] | N
     )
     if on_listening is not None:
         on_listening(bound_host, bound_port)
+    release_startup_memory()
     if app.state.token is None and not is_loopback(bound_host):
         log.warning(
             "api.unauthenticated",

@@ -9,52 +9,14 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 from typing import Any
 
+from .parsers import DEFAULT_URL
 from .transport import Client, ConnectFailed, Response, TransportError
-
-DEFAULT_URL = "http://127.0.0.1:8600"
 
 
 class ClientError(Exception):
     """A command that failed: the one line the CLI prints."""
-
-
-def global_flags(on_subcommand: bool) -> argparse.ArgumentParser:
-    """--url, --token-file, --settings and --json, accepted before or after the subcommand.
-
-    The main parser holds the defaults; each subcommand repeats the flags with SUPPRESS as
-    default, so a flag given before the subcommand is not reset by the subcommand's parser,
-    and one given after it wins."""
-
-    def default(value: Any) -> Any:
-        return argparse.SUPPRESS if on_subcommand else value
-
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument(
-        "--url",
-        default=default(None),
-        help=f"the daemon (default $GPUWARDEN_URL, else the --settings listen address, "
-        f"else {DEFAULT_URL})",
-    )
-    p.add_argument(
-        "--token-file",
-        type=Path,
-        default=default(None),
-        help="bearer token file (default $GPUWARDEN_TOKEN, else the --settings token_file)",
-    )
-    p.add_argument(
-        "--settings",
-        type=Path,
-        default=default(None),
-        help="settings YAML: the daemon's (serve), the configs (check --offline), the "
-        "daemon's address and token (the other commands)",
-    )
-    p.add_argument(
-        "--json", action="store_true", default=default(False), help="print JSON for scripts"
-    )
-    return p
 
 
 def _daemon_settings(args: argparse.Namespace) -> Any:
