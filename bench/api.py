@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from core import PY, Daemon, pct, ts
+from core import PY, Daemon, free_port, pct, ts
 
 
 def standin(port: int, *extra: str) -> dict[str, Any]:
@@ -39,7 +39,7 @@ def standin(port: int, *extra: str) -> dict[str, Any]:
 
 def bench_status(tmp: Path, seconds: float, rate: float) -> dict[str, Any]:
     # A flood long enough to outlast the measurement (about 1.5 M lines/s at most here).
-    d = Daemon(tmp / "status", {"flood": standin(31555, "standin-flood=6000000")}, "flood")
+    d = Daemon(tmp / "status", {"flood": standin(free_port(), "standin-flood=6000000")}, "flood")
     lat: list[float] = []
     try:
         d.wait_for(lambda r: any(x.get("to") == "ready" for x in r))
@@ -91,7 +91,7 @@ def bench_status(tmp: Path, seconds: float, rate: float) -> dict[str, Any]:
 
 
 def bench_swap(tmp: Path, swaps: int) -> dict[str, Any]:
-    port = 31556
+    port = free_port()
     d = Daemon(tmp / "swap", {"a": standin(port), "b": standin(port)}, "a")
     overheads = []
     walls = []

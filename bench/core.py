@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +30,13 @@ print(f"[2026-01-01 00:00:00] The server is fired up and ready to roll! t={t}",
       file=sys.stderr, flush=True)
 time.sleep(3600)
 """
+
+
+def free_port() -> int:
+    """A loopback port free now (the OS picks it), for a server the bench starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def pct(values: list[float], q: float) -> float:
