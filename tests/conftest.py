@@ -24,6 +24,12 @@ from gpuwarden.standin import fakegpu
 
 PY = sys.executable
 
+# A run started in the background by a non-interactive shell ignores SIGINT, and so would every
+# child it starts (an ignored signal stays ignored across exec): the tests that stop a CLI with
+# Ctrl-C need it delivered.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def require_tool(name: str) -> str:
     """The path of a system tool a test needs. Where it is missing the test is skipped, saying

@@ -179,7 +179,9 @@ def test_every_metric_the_board_and_the_alerts_name_is_served(
     d.wait_state("ready", after=mark)
     # SGLang's own /metrics, read on a scrape of the daemon.
     assert (
-        d.http.post("/restart", params={"config": "scraped", "wait": "true"}).json()["outcome"]
+        d.http.post(
+            "/restart", params={"config": "scraped", "wait": "true", "probation": "false"}
+        ).json()["outcome"]
         == "ready"
     )
     families = scrape(d)
@@ -207,7 +209,7 @@ def test_a_new_launch_never_shows_the_previous_launchs_figures(
     figures = first["server_metrics"]
     assert figures["gen_throughput_tok_s"] > 0
     for how in ({}, {"config": "idle"}):  # a restart of the same config, then a swap
-        res = d.http.post("/restart", params={**how, "wait": "true"})
+        res = d.http.post("/restart", params={**how, "wait": "true", "probation": "false"})
         assert res.json()["outcome"] == "ready"
         st = d.status()
         now = st["server_metrics"]  # none yet, or the new launch's own (its warm-up)
