@@ -167,6 +167,24 @@ def test_status_imports_neither_the_control_plane_nor_the_daemon_core() -> None:
     assert daemon == [], daemon
 
 
+PARSER_THEN_MODULES = """
+import json, sys
+from gpuwarden.api import cli
+cli.build_parser().parse_args(["serve"])
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_building_the_parser_imports_no_http_client() -> None:
+    """What `serve` holds for the daemon's life: the CLI's parser, not its HTTP client."""
+    res = subprocess.run(
+        [PY, "-c", PARSER_THEN_MODULES], capture_output=True, text=True, timeout=60, check=True
+    )
+    modules = json.loads(res.stdout)
+    client = [m for m in modules if m in ("gpuwarden.api.client", "gpuwarden.api.transport")]
+    assert client == [] and "http.client" not in modules, client
+
+
 def cli_on_tty(*args: str | Path, which: str = "stdout") -> tuple[int, str, str]:
     """Run with `which` (stdout or stderr) a terminal (a pty), the other a pipe: what the
     command writes for a person at a terminal. Returns (rc, tty text, pipe text)."""
