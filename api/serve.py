@@ -143,7 +143,7 @@ async def serve(settings: Settings, on_listening: Callable[[str, int], None] | N
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGCHLD, childmod.reap_orphans)
+    loop.add_signal_handler(signal.SIGCHLD, childmod.OrphanReaper(loop))
     # A full disk or a file-size limit must not kill the daemon: with SIGXFSZ ignored, an
     # oversized write fails with EFBIG, which the log and state writers report and survive.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -20,6 +20,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from . import child as childmod
 from .load import LoadSpec
 
 MODULE = "sglang.benchmark.serving"
@@ -188,16 +189,17 @@ async def run_sglang_bench(
         return {**failed, "error": f"{argv[0]}: {exc.strerror or exc}"}
     finally:
         os.close(fd)
-    try:
-        code: int | None = await asyncio.wait_for(proc.wait(), limit)
-    except TimeoutError:
-        code = None
-    finally:
-        if proc.returncode is None:  # timed out, or the sweep was cancelled
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(proc.wait())
+    with childmod.owned(proc.pid):  # its exit is asyncio's to report, not the orphan reaper's
+        try:
+            code: int | None = await asyncio.wait_for(proc.wait(), limit)
+        except TimeoutError:
+            code = None
+        finally:
+            if proc.returncode is None:  # timed out, or the sweep was cancelled
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(proc.wait())
     if code is None:
         return {**failed, "error": f"the benchmark ran past {limit:.0f} s (log: {log_path})"}
     if code != 0:

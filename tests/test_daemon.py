@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 
-from .conftest import Proc, alive, group_members, wait_until
+from .conftest import PY, Proc, alive, group_members, wait_until
 from .daemon_harness import standin_config, start_daemon
 
 
@@ -150,6 +150,52 @@ def test_escaping_grandchild_is_found_and_killed_by_the_sweep(
     assert sweep["_index"] > ex["_index"] - 5
     wait_until(lambda: not alive(escapee), 5, "the escapee to die")
     assert d.status()["last_sweep_killed"]
+
+
+# A server that leaves a short-lived orphan: an intermediate forks it and exits at once, so it
+# reparents to the daemon (a subreaper), prints its pid and exits a moment later.
+ORPHANING = """
+import os, sys, time
+if os.fork() == 0:
+    if os.fork() == 0:
+        time.sleep(1.0)
+        os._exit(0)
+    os._exit(0)
+os.wait()
+print("ready: orphan left", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_an_orphan_that_exits_is_reaped_while_the_server_runs(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    cfg = {
+        "command": [PY, "-c", ORPHANING],
+        "preflight": {"argv": False},
+        "health": {"url": "http://127.0.0.1:9/health", "startup_timeout_s": 600, "interval_s": 600},
+    }
+    d = start_daemon(procs, tmp_path, fake_gpu, {"orph": cfg}, default="orph")
+    daemon = psutil.Process(d.proc.popen.pid)
+
+    def zombies() -> list[int]:
+        return [c.pid for c in daemon.children() if c.status() == psutil.STATUS_ZOMBIE]
+
+    log_file = Path(d.wait_event("server.launch")["log_file"])
+    wait_until(lambda: "orphan left" in log_file.read_text(), 10, "the server's line")
+    orphan: list[int] = []
+
+    def orphan_seen_or_gone() -> bool:
+        # The orphan is the daemon's child that is neither the server nor gone yet.
+        kids = [c.pid for c in daemon.children() if c.pid != d.status()["pid"]]
+        orphan.extend(k for k in kids if k not in orphan)
+        return bool(orphan)
+
+    wait_until(orphan_seen_or_gone, 10, "the orphan to reparent to the daemon")
+    # It exits 1 s after its birth; the daemon reaps it (no zombie of it stays).
+    wait_until(lambda: not any(p in zombies() for p in orphan), 10, "the orphan to be reaped")
+    wait_until(lambda: not psutil.pid_exists(orphan[0]), 10, "the orphan's pid to be gone")
+    assert d.status()["state"] == "starting"  # the server itself was never touched
 
 
 def test_daemon_sigterm_leaves_nothing_and_exits_0(
