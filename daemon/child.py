@@ -253,9 +253,12 @@ async def spawn(
             with contextlib.suppress(OSError, AttributeError, ValueError):
                 fcntl.fcntl(pipe.get_extra_info("pipe").fileno(), F_SETPIPE_SZ, PIPE_SIZE)
     _OWNED.add(pid)
+    # Read off the loop: /proc/PID/stat answers only once the exec is through (a millisecond
+    # or two of a Python server's), and the loop has the exit's records to write meanwhile.
+    create_time = await asyncio.to_thread(create_time_of, pid)
     return ChildProcess(
         pid=pid,
-        create_time=create_time_of(pid) or time.time(),
+        create_time=create_time or time.time(),
         started_mono=started,
         launch_id=launch_id,
         protocol=protocol,
