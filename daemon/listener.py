@@ -14,11 +14,13 @@ import contextlib
 import ipaddress
 import os
 import socket
+import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _LISTEN = "0A"
 # A foreign holder is looked for among this many processes at most (a busy host has many).
 _SCAN_LIMIT = 20_000
@@ -82,13 +84,60 @@ def _decode_addr(hexaddr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return v6.ipv4_mapped or v6
 
 
-def listening_inodes(
-    ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int, proc: Path = Path("/proc")
-) -> list[int]:
-    """Inodes of the sockets a connection to ip:port would reach: exact binds first, then
-    wildcard ones. Raises OSError when /proc/net cannot be read."""
-    exact: list[int] = []
-    wildcard: list[int] = []
+# sock_diag (netlink): the listening sockets of one family, and only those. Reading
+# /proc/net/tcp walks the whole established-connection table too, a few milliseconds on any
+# host whatever it holds; this asks the kernel for its listening table alone.
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+TCPF_LISTEN = 1 << 10
+_NLMSG_HDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid
+_DIAG_REQ = struct.Struct("=BBBBI48x")  # family, protocol, ext, pad, states; the socket id
+_DIAG_PORT = struct.Struct("!H")  # the reply's source port, network order, after 4 bytes
+_DIAG_INODE = struct.Struct("=I")  # the reply's inode, 68 bytes in
+
+
+def _diag_rows(port: int) -> list[tuple[str, IPAddress, int]] | None:
+    """(table, bound address, inode) of the TCP sockets listening on `port`, as sock_diag
+    reports them; None where it cannot (no netlink here, or an answer not understood)."""
+    rows: list[tuple[str, IPAddress, int]] = []
+    for family, name, size in ((socket.AF_INET, "tcp", 4), (socket.AF_INET6, "tcp6", 16)):
+        try:
+            with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
+                nl.settimeout(2.0)
+                req = _DIAG_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, TCPF_LISTEN)
+                flags = NLM_F_REQUEST | NLM_F_DUMP
+                nl.send(
+                    _NLMSG_HDR.pack(_NLMSG_HDR.size + len(req), SOCK_DIAG_BY_FAMILY, flags, 1, 0)
+                    + req
+                )
+                done = False
+                while not done:
+                    data = nl.recv(65536)
+                    if not data:
+                        return None
+                    off = 0
+                    while off + _NLMSG_HDR.size <= len(data):
+                        length, kind = struct.unpack_from("=IH", data, off)
+                        if kind == NLMSG_DONE:
+                            done = True
+                            break
+                        if kind == NLMSG_ERROR or length < _NLMSG_HDR.size + 72:
+                            return None
+                        msg = off + _NLMSG_HDR.size
+                        if _DIAG_PORT.unpack_from(data, msg + 4)[0] == port:
+                            bound = ipaddress.ip_address(data[msg + 8 : msg + 8 + size])
+                            rows.append((name, bound, _DIAG_INODE.unpack_from(data, msg + 68)[0]))
+                        off += (length + 3) & ~3
+        except (OSError, AttributeError, ValueError, struct.error):
+            return None
+    return rows
+
+
+def _proc_rows(port: int, proc: Path) -> list[tuple[str, IPAddress, int]]:
+    """The same rows from /proc/net/tcp{,6}. Raises OSError when neither can be read."""
+    rows: list[tuple[str, IPAddress, int]] = []
     read_any = False
     for name in ("tcp", "tcp6"):
         try:
@@ -101,16 +150,26 @@ def listening_inodes(
             if len(cols) < 10 or cols[3] != _LISTEN:
                 continue
             addr, _, hexport = cols[1].partition(":")
-            if int(hexport, 16) != port:
-                continue
-            bound = _decode_addr(addr)
-            inode = int(cols[9])
-            if bound == ip or (ip.is_unspecified and bound.version == ip.version):
-                exact.append(inode)
-            elif bound.is_unspecified and (bound.version == ip.version or name == "tcp6"):
-                wildcard.append(inode)
+            if int(hexport, 16) == port:
+                rows.append((name, _decode_addr(addr), int(cols[9])))
     if not read_any:
         raise OSError("no /proc/net/tcp")
+    return rows
+
+
+def listening_inodes(ip: IPAddress, port: int, proc: Path = Path("/proc")) -> list[int]:
+    """Inodes of the sockets a connection to ip:port would reach: exact binds first, then
+    wildcard ones. Raises OSError when the listening sockets cannot be read."""
+    rows = _diag_rows(port) if proc == Path("/proc") else None
+    if rows is None:
+        rows = _proc_rows(port, proc)
+    exact: list[int] = []
+    wildcard: list[int] = []
+    for name, bound, inode in rows:
+        if bound == ip or (ip.is_unspecified and bound.version == ip.version):
+            exact.append(inode)
+        elif bound.is_unspecified and (bound.version == ip.version or name == "tcp6"):
+            wildcard.append(inode)
     return exact or wildcard
 
 

@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from gpuwarden.daemon.listener import check_listener, local_ip, url_endpoint
+from gpuwarden.daemon.listener import (
+    _diag_rows,
+    _proc_rows,
+    check_listener,
+    local_ip,
+    url_endpoint,
+)
 
 
 @pytest.fixture
@@ -119,3 +125,24 @@ def test_a_holder_that_cannot_be_found_proves_nothing(tmp_path: Path) -> None:
     assert "held by a process whose descriptors are unreadable" in check.detail
     os.symlink("socket:[424242]", tmp_path / "123" / "fd" / "4")
     assert check_listener("http://127.0.0.1:30000/health", [123], proc=tmp_path).ours is True
+
+
+def test_the_kernels_listening_table_agrees_with_proc_net_tcp() -> None:
+    """sock_diag (what the check asks) and /proc/net/tcp{,6} (its fallback) name the same
+    sockets: exact and wildcard binds, both families, one port each."""
+    socks = [
+        listen("127.0.0.1"),
+        listen("0.0.0.0"),
+        listen("::1", socket.AF_INET6),
+        listen("::", socket.AF_INET6),
+    ]
+    try:
+        for s in socks:
+            port = s.getsockname()[1]
+            diag = _diag_rows(port)
+            assert diag is not None, "netlink sock_diag answered nothing"
+            assert sorted(diag) == sorted(_proc_rows(port, Path("/proc"))), port
+            assert len(diag) == 1
+    finally:
+        for s in socks:
+            s.close()
