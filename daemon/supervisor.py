@@ -92,6 +92,7 @@ class Supervisor:
         self._sweep: tuple[str, Callable[[], Any]] | None = None
         self._cancel_sweep: Callable[[], Awaitable[None]] | None = None
         self._save_timer: asyncio.TimerHandle | None = None
+        self._asked: tuple[str | None, bool, str | None] | None = None  # as last saved
 
     # -- the owner -------------------------------------------------------------------------------
 
@@ -158,9 +159,13 @@ class Supervisor:
             self._changed.notify_all()
 
     def _save(self, now: bool = False) -> None:
-        if not self.machine.dirty:
+        m = self.machine
+        if not m.dirty:
             return
-        if not now and self.machine.state in RELAUNCH_STATES and not self.machine.finished:
+        # What was asked for (the intent, a swap begun or ended) is saved at once; only a
+        # relaunch's own passing states wait.
+        asked = (m.intent_config, m.intent_running, m.swap.id if m.swap is not None else None)
+        if not now and m.state in RELAUNCH_STATES and not m.finished and asked == self._asked:
             if self._save_timer is None:
                 self._save_timer = asyncio.get_running_loop().call_later(
                     SAVE_DEFER_S, self._deferred_save
@@ -169,8 +174,9 @@ class Supervisor:
         if self._save_timer is not None:
             self._save_timer.cancel()
             self._save_timer = None
-        self.machine.dirty = False
-        self.host.save(saved.record(self.machine, self._boot_id))
+        m.dirty = False
+        self._asked = asked
+        self.host.save(saved.record(m, self._boot_id))
 
     def _deferred_save(self) -> None:
         self._save_timer = None
