@@ -11,6 +11,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from . import completion, fakegpu_cli, parsers
 
@@ -62,13 +63,25 @@ def build_parser() -> argparse.ArgumentParser:
         description="Supervise an SGLang inference server on a GPU host.",
         parents=[parsers.global_flags(on_subcommand=False)],
     )
-    parser.add_argument("--version", action="version", version=f"gpuwarden {_version()}")
+    parser.add_argument("--version", action=_Version, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_serve_parsers(sub)
     parsers.add_client_parsers(sub)
     fakegpu_cli.add_parser(sub)
     completion.add_parser(sub)
     return parser
+
+
+class _Version(argparse.Action):
+    """`--version`, the installed version read only when asked for: reading the package's
+    metadata costs every other command ~30 ms and the daemon its memory."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs=0, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(f"gpuwarden {_version()}")
+        parser.exit()
 
 
 def _version() -> str:
