@@ -243,7 +243,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     progress = None if args.json else follow.Progress(sys.stderr)
     t0 = time.monotonic()
     try:
-        while sweep["state"] == "running" or sweep.get("ended_at") is None:
+        # Done means measured; the answer is in once the previous config is back (`ended_at`).
+        while sweep["state"] == "running" or (
+            sweep["state"] == "done" and sweep.get("ended_at") is None
+        ):
             time.sleep(0.5)  # nothing announces a sweep's progress to a client: it is polled
             sweep = call(args, "GET", f"/sweeps/{sid}").json()
             if progress is not None:

@@ -23,7 +23,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from gpuwarden.daemon import ownership
 from gpuwarden.daemon.launchlog import LogFeed
 from gpuwarden.daemon.messages import ServerFiguresRead
 from gpuwarden.daemon.policy import REASONS
@@ -225,7 +224,7 @@ class SupervisorCollector(Collector):
             total.add_metric(key, g["total_mib"] * MIB)
             by_holder = dict.fromkeys(HOLDERS, 0)
             for p in g["processes"]:
-                by_holder[self._holder(snap, p)] += p["used_mib"] * MIB
+                by_holder[p["holder"]] += p["used_mib"] * MIB
             for holder, n in by_holder.items():
                 held.add_metric([*key, holder], n)
         yield used
@@ -236,15 +235,6 @@ class SupervisorCollector(Collector):
             "Age of the last GPU snapshot",
             status["gpu_snapshot_age_s"],
         )
-
-    @staticmethod
-    def _holder(snap: Snapshot, process: dict[str, Any]) -> str:
-        if process["ours"]:
-            return "ours"
-        launch = ownership.ours(process["pid"], snap.known_ours, snap.gpu_pids_unresolved)
-        if launch is None:
-            return "foreign"
-        return "ours" if launch == snap.launch_id else "orphan"
 
 
 def _gauge(name: str, doc: str, value: float, labels: dict[str, str] | None = None) -> Metric:

@@ -92,10 +92,11 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def release_startup_memory() -> None:
-    """Once started: the imports' garbage (pydantic and FastAPI build their schemas then) is
-    collected, what is left is moved out of the collector's way for the daemon's life (a full
-    collection no longer walks a startup's worth of objects), and glibc gives the freed heap
-    back to the system. About 1 MiB of the idle daemon's resident memory."""
+    """Before supervision begins: the imports' garbage (pydantic and FastAPI build their
+    schemas then) is collected, what is left is moved out of the collector's way for the
+    daemon's life (a full collection no longer walks a startup's worth of objects; nothing of a
+    launch is among it, as none exists yet), and glibc gives the freed heap back to the system.
+    About 1 MiB of the idle daemon's resident memory."""
     gc.collect()
     gc.freeze()
     with contextlib.suppress(OSError, AttributeError):  # not glibc (musl has no malloc_trim)
@@ -150,6 +151,8 @@ async def serve(settings: Settings, on_listening: Callable[[str, int], None] | N
 
     webhooks = Webhooks(supervisor, settings.chat.webhooks)
     webhooks.start()
+    # Before the supervisor runs: what it creates (launches and their logs) is never frozen.
+    release_startup_memory()
     sup_task = loop.create_task(supervisor.run())
     api_task = loop.create_task(server.serve(sockets=[sock]))
     log.info(
@@ -168,7 +171,6 @@ async def serve(settings: Settings, on_listening: Callable[[str, int], None] | N
     )
     if on_listening is not None:
         on_listening(bound_host, bound_port)
-    release_startup_memory()
     if app.state.token is None and not is_loopback(bound_host):
         log.warning(
             "api.unauthenticated",

@@ -160,7 +160,10 @@ class Host(GpuWatch):
             self._flush_timer = None
         records, self._records = self._records, []
         for record in records:
-            self._write_record(record)
+            try:
+                self._write_record(record)
+            except Exception:  # a record that cannot be written must not cost the others
+                log.exception("daemon.record_failed", record_event=str(record.get("event")))
 
     def _write_record(self, record: dict[str, Any]) -> None:
         self.events.append(record)
@@ -198,8 +201,10 @@ class Host(GpuWatch):
     def _saved(self, error: str | None) -> None:
         self._saving = False
         self.post(StateSaved(error))
+        if self._closing:
+            return  # `close` writes the newest, once the writer has stopped
         record, self._save_next = self._save_next, None
-        if record is not None and not self._closing:
+        if record is not None:
             self.save(record)
 
     def save_again(self) -> None:
@@ -254,8 +259,8 @@ class Host(GpuWatch):
             child.exited.add_done_callback(
                 lambda f: self.post(ChildExited(gen, f.result() if not f.cancelled() else None))
             )
-            self.flush_records()  # what the relaunch held back, now that the server runs
             self.post(Spawned(gen, child, launch_log))
+            self.flush_records()  # what the relaunch held back, now that the server runs
         finally:
             for msg in self._early.pop(gen, []):
                 self.post(msg)

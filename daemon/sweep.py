@@ -160,11 +160,11 @@ class SweepManager:
             sweep.rows.append({"config": sweep.current, "status": "error", "reason": repr(exc)})
         finally:
             sweep.current = None
-            await asyncio.to_thread(write_report, sweep, self.sup.configs)
+            await self._write(sweep)
             if sweep.state == "done":
                 await self._restore(sweep)
             sweep.ended_at = time.time()  # the sweep's whole answer is in (restore included)
-            await asyncio.to_thread(write_report, sweep, self.sup.configs)
+            await self._write(sweep)
             removed = await asyncio.to_thread(self.prune)
             if removed:
                 sup.post_event("sweeps_pruned", sweep_ids=removed)
@@ -173,6 +173,14 @@ class SweepManager:
             )
             if self.active is sweep:
                 sup.sweep_ended(sweep.id)
+
+    async def _write(self, sweep: Sweep) -> None:
+        """Its files, as far as the disk lets: a full disk must not keep the sweep from ending
+        (the restore, `ended_at`, the event)."""
+        try:
+            await asyncio.to_thread(write_report, sweep, self.sup.configs)
+        except OSError as exc:
+            log.error("sweep.write_failed", sweep_id=sweep.id, error=str(exc))
 
     async def _one(self, sweep: Sweep, name: str) -> dict[str, Any]:
         sup = self.sup

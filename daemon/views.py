@@ -134,13 +134,6 @@ def take(m: Machine) -> Snapshot:
 def status_fixed(snap: Snapshot, *, gpu_backend: str) -> dict[str, Any]:
     """The body of `GET /status` as far as the snapshot alone decides it: built once per
     snapshot. The fields that move with time are None here, in their places (`status_now`)."""
-    orphan_pids = frozenset(
-        p.pid
-        for g in snap.gpu_snapshot.gpus
-        for p in g.processes
-        if p.pid not in snap.gpu_tree_pids
-        and ownership.ours(p.pid, snap.known_ours, snap.gpu_pids_unresolved)
-    )
     gpus = [
         {
             "index": g.index,
@@ -154,7 +147,7 @@ def status_fixed(snap: Snapshot, *, gpu_backend: str) -> dict[str, Any]:
                     "name": p.name,
                     "used_mib": p.used_mib,
                     "ours": p.pid in snap.gpu_tree_pids,
-                    "holder": holder(p.pid, snap.gpu_tree_pids, orphan_pids),
+                    "holder": holder(p.pid, snap),
                 }
                 for p in g.processes
             ],
@@ -226,13 +219,16 @@ def server_metrics(snap: Snapshot, now_mono: float) -> dict[str, Any] | None:
     return {**snap.server_metrics, "age_s": round(max(0.0, now_mono - snap.server_metrics_mono), 3)}
 
 
-def holder(pid: int, our_pids: frozenset[int], orphan_pids: frozenset[int]) -> str:
-    """Who holds GPU memory: `ours` (the running server's tree), `orphan` (a process of an
-    earlier launch, by pid and create time: killed before the next launch) or `foreign`
-    (never ours, never killed)."""
-    if pid in our_pids:
+def holder(pid: int, snap: Snapshot) -> str:
+    """Who holds GPU memory: `ours` (the running server's tree, or a process of its launch by
+    pid and create time), `orphan` (a process of an earlier launch: killed before the next
+    launch) or `foreign` (never ours, never killed). `/status` and `/metrics` both say this."""
+    if pid in snap.gpu_tree_pids:
         return "ours"
-    return "orphan" if pid in orphan_pids else "foreign"
+    launch = ownership.ours(pid, snap.known_ours, snap.gpu_pids_unresolved)
+    if launch is None:
+        return "foreign"
+    return "ours" if launch == snap.launch_id else "orphan"
 
 
 def ring_lines(snap: Snapshot, n: int) -> list[str]:

@@ -593,3 +593,43 @@ async def test_records_of_a_quick_relaunch_are_all_written_in_order(
     assert sum(e["event"] == "exit" for e in on_disk) == 3
     state = json.loads((tmp_path / "state" / "state.json").read_text())
     assert state["failures"] == 3 and state["current_launch"] is None
+
+
+async def test_the_newest_save_behind_a_write_under_way_is_written_at_close(
+    tmp_path: Path, fake_gpu: Path
+) -> None:
+    """A state.json write still on the writer thread when the daemon closes: the newer record
+    queued behind it is written after it, not dropped."""
+    gate, started = threading.Event(), threading.Event()
+    async with running(tmp_path, fake_gpu, {}) as sup:
+        store = sup.host.store
+        real = store.save
+
+        def slow(data: dict[str, Any]) -> str | None:
+            started.set()
+            gate.wait(10)
+            return real(data)
+
+        store.save = slow  # type: ignore[method-assign]
+        sup.host.save({"n": 1})
+        await asyncio.to_thread(started.wait, 5)
+        sup.host.save({"n": 2})  # behind the write under way
+        asyncio.get_running_loop().call_later(0.3, gate.set)  # released while closing
+    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert state != {"n": 1}, "the record behind the last write was dropped"
+
+
+async def test_a_record_that_cannot_be_written_costs_no_other(
+    tmp_path: Path, fake_gpu: Path
+) -> None:
+    async with running(tmp_path, fake_gpu, {}) as sup:
+        circular: dict[str, Any] = {}
+        circular["self"] = circular
+        sup.host.record({"event": "first"})
+        sup.host.record({"event": "broken", "value": circular})
+        sup.host.record({"event": "last"})
+        sup.host.flush_records()
+        assert [e["event"] for e in events(sup, "first") + events(sup, "last")] == [
+            "first",
+            "last",
+        ]
