@@ -213,9 +213,10 @@ def test_a_sweep_of_two_real_configs_counts_tokens_from_the_streams_usage(
     sweep_id = res.json()["id"]
 
     def finished() -> bool:
-        return served.http.get(f"/sweeps/{sweep_id}").json()["state"] != "running"
+        # Its whole answer: measured, and the config it found serving back (`ended_at`).
+        return served.http.get(f"/sweeps/{sweep_id}").json().get("ended_at") is not None
 
-    wait_until(finished, STARTUP_S * 3, "the sweep to finish")
+    wait_until(finished, STARTUP_S * 3, "the sweep to finish and restore")
     view = served.http.get(f"/sweeps/{sweep_id}").json()
     assert view["state"] == "done", view
     rows = {r["config"]: r for r in view["rows"]}
