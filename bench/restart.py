@@ -60,7 +60,7 @@ while True:
     out.write(f"{t}\\n")
 """
 
-# The thresholds `make bench-repeat` counts runs against (the issue's goals): gpuwarden's margin
+# The thresholds `make bench-repeat` counts runs against (the project's goals): gpuwarden's margin
 # over the floor, ms.
 GOAL_RESTART_MS = 3.0
 GOAL_EXIT_MS = 2.0
