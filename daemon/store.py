@@ -188,10 +188,12 @@ class EventLog:
                     self.seq = max(self.seq, int(event.get("seq", 0) or 0))
 
     def append(self, event: dict[str, Any]) -> dict[str, Any]:
-        self.seq += 1
-        event = {"seq": self.seq, **event}
-        self._recent.append(event)
+        """Raises (ValueError, TypeError) for an event that cannot be encoded, keeping
+        nothing of it: no seq taken, nothing in memory that /events could not serve."""
+        event = {"seq": self.seq + 1, **event}
         line = (json.dumps(event, default=str) + "\n").encode()
+        self.seq += 1
+        self._recent.append(event)
         with self._lock:
             self._write(line)
         return event
