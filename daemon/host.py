@@ -69,6 +69,7 @@ SETTLED_KEPT = 32  # outcomes of settled swaps kept for `restart --wait` callers
 # Between a server's end and the next exec, records wait for the exec (they are written right
 # after it), but never longer than this.
 HOLD_RECORDS_S = 0.25
+FIRST_SLICE_S = 0.01
 
 
 class Effects(Protocol):
@@ -256,6 +257,10 @@ class Host(GpuWatch):
                 launch_log.close(f"exec failed: {detail}")
                 self.post(SpawnFailed(gen, "exec_failed", detail))
                 return
+            # The new server's first slice of CPU before the launch's bookkeeping (records, the
+            # state save, probes): on a host with few cores that work otherwise keeps the
+            # server waiting for a CPU as it starts. Its output meanwhile waits in `_early`.
+            await asyncio.sleep(FIRST_SLICE_S)
             child.exited.add_done_callback(
                 lambda f: self.post(ChildExited(gen, f.result() if not f.cancelled() else None))
             )
