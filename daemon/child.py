@@ -142,6 +142,8 @@ class _Protocol(asyncio.SubprocessProtocol):
     def __init__(self, on_output: Callable[[bytes, int], None]) -> None:
         self.on_output = on_output
         self.exited: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        # Set by the first output: the server is running (see `host._spawn`'s first slice).
+        self.first_output: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.pipes_closed = asyncio.Event()
         self._open = 2
         self.transport: asyncio.SubprocessTransport | None = None
@@ -150,6 +152,8 @@ class _Protocol(asyncio.SubprocessProtocol):
         self.transport = transport  # type: ignore[assignment]
 
     def pipe_data_received(self, fd: int, data: bytes) -> None:
+        if not self.first_output.done():
+            self.first_output.set_result(None)
         self.on_output(data, fd)
 
     def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:

@@ -259,8 +259,14 @@ class Host(GpuWatch):
                 return
             # The new server's first slice of CPU before the launch's bookkeeping (records, the
             # state save, probes): on a host with few cores that work otherwise keeps the
-            # server waiting for a CPU as it starts. Its output meanwhile waits in `_early`.
-            await asyncio.sleep(FIRST_SLICE_S)
+            # server waiting for a CPU as it starts. It ends early at the server's first output
+            # or its exit (which then waits in `_early` no longer than that).
+            started: list[asyncio.Future[Any]] = [child.protocol.first_output, child.exited]
+            await asyncio.wait(
+                started,
+                timeout=FIRST_SLICE_S,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
             child.exited.add_done_callback(
                 lambda f: self.post(ChildExited(gen, f.result() if not f.cancelled() else None))
             )
