@@ -9,6 +9,7 @@ attribution. The decisions are in `machine.py` (the lifecycle) and `commands.py`
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from typing import Any
@@ -323,5 +324,6 @@ class Books:
         )
 
 
+@functools.cache
 def _snake(name: str) -> str:
     return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")

@@ -147,6 +147,8 @@ class _Protocol(asyncio.SubprocessProtocol):
         self.pipes_closed = asyncio.Event()
         self._open = 2
         self.transport: asyncio.SubprocessTransport | None = None
+        # Told of the exit in the same turn (a future's callbacks wait for the next one).
+        self.on_exit: Callable[[int | None], None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -165,6 +167,8 @@ class _Protocol(asyncio.SubprocessProtocol):
         assert self.transport is not None
         if not self.exited.done():
             self.exited.set_result(self.transport.get_returncode())
+            if self.on_exit is not None:
+                self.on_exit(self.exited.result())
 
 
 @dataclass
@@ -202,6 +206,8 @@ class ChildProcess:
             self.signals_sent.append("SIGKILL(group)")
 
     async def wait_pipes_closed(self, timeout_s: float) -> bool:
+        if self.protocol.pipes_closed.is_set():
+            return True  # the usual case after an exit: no timer, no task
         try:
             await asyncio.wait_for(self.protocol.pipes_closed.wait(), timeout_s)
             return True

@@ -35,6 +35,15 @@ class GpuWatch(Tasks):
     _gpu_task: asyncio.Task[Any] | None = None
 
     def wait_for_gpus(self, launch: Launch) -> None:
+        snap = self.gpu_snapshot_now()
+        if snap is not None and not busy_gpus(
+            snap, launch.config.gpus, self.settings.gpu.busy_above_mib
+        ):
+            # Free at the first look, with a backend that answers at once: no wait to run.
+            self._gpu_task = None
+            self.post(GpuSampled(launch.gen, snap, frozenset()))
+            self.post(GpuWaitDone(launch.gen, True))
+            return
         deadline = self.settings.gpu.release_timeout_s + self.sweep_deadline_s
         self._gpu_task = self.task(self._wait_for_gpus(launch), gen=launch.gen, deadline_s=deadline)
 
@@ -64,6 +73,8 @@ class GpuWatch(Tasks):
             await self.clock.sleep(cfg.poll_interval_s)
 
     async def kill_gpu_orphans(self, gpus: list[Any]) -> list[dict[str, Any]]:
+        if not any(g.processes for g in gpus):
+            return []  # the common case after an exit: no view taken on the restart path
         view = self.view()
         killed = await ownership.kill_gpu_orphans(
             gpus, view.pid, view.known_ours, view.gpu_pids_unresolved
@@ -71,6 +82,16 @@ class GpuWatch(Tasks):
         if killed:
             self.post(OrphansKilled(killed))
         return killed
+
+    def gpu_snapshot_now(self) -> GpuSnapshot | None:
+        """A snapshot from a backend that answers at once; None for one that may block (NVML:
+        its calls go to a thread) or that failed (the task's path then tries, and reports)."""
+        if getattr(self.gpu, "blocking", True):
+            return None
+        try:
+            return self.gpu.snapshot()
+        except Exception:
+            return None
 
     async def gpu_snapshot(self) -> GpuSnapshot:
         """NVML calls can block (a wedged driver): off the loop. The others are cheap."""
