@@ -131,10 +131,14 @@ def poll(pred: Callable[[], bool], timeout: float, what: str) -> None:
 class Runner:
     """One tool under the gated child, and its rounds."""
 
-    def __init__(self, name: str, root: Path) -> None:
+    def __init__(self, name: str, root: Path, gpu_backend: str = "none") -> None:
         self.name = name
         self.path = root / f"{name}-stamps.txt"
-        self.tool = TOOLS[name](root / name, peers.Program(peers.py(GATED, str(self.path))))
+        # gpuwarden's GPU backend: none (the default), or nvml on a GPU host, where the sweep
+        # and the GPU wait on the restart path ask NVML.
+        gpu = {"gpu": {"backend": gpu_backend}}
+        prog = peers.Program(peers.py(GATED, str(self.path)), gw_settings=gpu)
+        self.tool = TOOLS[name](root / name, prog)
         self.gap_s: list[float] = []
         self.exit_s: list[float] = []
 
@@ -163,11 +167,11 @@ class Runner:
 
 
 @contextlib.contextmanager
-def started(names: list[str], root: Path) -> Iterator[list[Runner]]:
+def started(names: list[str], root: Path, gpu_backend: str = "none") -> Iterator[list[Runner]]:
     runners: list[Runner] = []
     try:
         for name in names:
-            runner = Runner(name, root)
+            runner = Runner(name, root, gpu_backend)
             runners.append(runner)
             runner.tool.start()
             poll(lambda r=runner: bool(r.starts()), 60, f"{name}: its first child")
@@ -178,11 +182,13 @@ def started(names: list[str], root: Path) -> Iterator[list[Runner]]:
                 runner.tool.close()
 
 
-def interleaved(names: list[str], rounds: int, root: Path) -> dict[str, dict[str, list[float]]]:
+def interleaved(
+    names: list[str], rounds: int, root: Path, gpu_backend: str = "none"
+) -> dict[str, dict[str, list[float]]]:
     """Each tool's crash -> next start and exit -> report times (s), `rounds` interleaved
     rounds after the warm-up; `names` from TOOLS."""
     root.mkdir(parents=True, exist_ok=True)
-    with started(names, root) as runners:
+    with started(names, root, gpu_backend) as runners:
         for i in range(WARMUP + rounds):
             k = i % len(runners)
             for runner in runners[k:] + runners[:k]:
@@ -262,6 +268,12 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5, help="runs, each with fresh tools")
     ap.add_argument("--rounds", type=int, default=40, help="interleaved rounds per run")
     ap.add_argument("--supervisord", action="store_true", help="supervisord too (~1 s a round)")
+    ap.add_argument(
+        "--gpu-backend",
+        choices=("none", "nvml"),
+        default="none",
+        help="gpuwarden's GPU backend (nvml: on a GPU host, NVML on the restart path)",
+    )
     args = ap.parse_args()
     if args.repeat < 1 or args.rounds < 1:
         ap.error("--repeat and --rounds must be at least 1")
@@ -272,11 +284,15 @@ def main() -> int:
         )
         return 2
     names = ["gpuwarden", "PM2", *(["supervisord"] if args.supervisord else []), "floor"]
-    print(f"{peers.machine()['cpu']}, {os.cpu_count()} cores; {', '.join(names)}", flush=True)
+    print(
+        f"{peers.machine()['cpu']}, {os.cpu_count()} cores; {', '.join(names)}; "
+        f"gpuwarden's GPU backend: {args.gpu_backend}",
+        flush=True,
+    )
     verdicts = []
     for n in range(1, args.repeat + 1):
         with tempfile.TemporaryDirectory() as tmp:
-            res = interleaved(names, args.rounds, Path(tmp))
+            res = interleaved(names, args.rounds, Path(tmp), args.gpu_backend)
         verdicts.append(judge(res))
         print(report_run(n, args.repeat, args.rounds, res), flush=True)
     print(summary(verdicts))

@@ -71,8 +71,8 @@ def _no_log_reason(last_exit: dict[str, Any] | None, launch_ran: bool) -> str | 
         return f"the launch never ran: preflight refused it: {evidence}"
     if reason == "log_unwritable":
         return (
-            "no log exists: the launch's log file could not be created, so nothing was "
-            f"started: {evidence}"
+            "no log exists: the launch's log file could not be created, so the server was "
+            f"killed at its start: {evidence}"
         )
     if reason == "gpu_busy":
         return f"the launch never ran: the GPUs were never freed: {evidence}"

@@ -2,12 +2,12 @@
 
 * The server runs in its own session (so its group can be signalled without touching us),
   stdin closed, stdout and stderr on pipes read in chunks by the event loop.
-* Its exit is taken from the process itself (`SubprocessProtocol.process_exited`), never from
-  pipe EOF: a grandchild can hold the pipes open for ever.
+* Its exit is taken from the process itself (its pidfd, then waitpid), never from pipe EOF:
+  a grandchild can hold the pipes open for ever.
 * Every launch carries ``GPUWARDEN_LAUNCH_ID`` in its environment. Descendants inherit it, so
   whatever a launch left behind (even after ``setsid`` and a double fork) can be found by it.
 * The daemon is a child subreaper: orphans of its servers reparent to it, and `reap_orphans`
-  reaps them (only pids asyncio does not own: never ``waitpid(-1)``). Zombies count as dead.
+  reaps them (only pids nobody else waits for: never ``waitpid(-1)``). Zombies count as dead.
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import fcntl
 import os
+import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,7 +38,8 @@ READ_SIZE = 64 * 1024
 PR_SET_CHILD_SUBREAPER = 36
 PR_GET_CHILD_SUBREAPER = 37
 
-# Pids whose exit asyncio's child watcher reports: the reaper must not take them.
+# Pids whose exit someone waits for (a server's pidfd, asyncio's child watcher for a helper):
+# the reaper must not take them.
 _OWNED: set[int] = set()
 
 
@@ -70,10 +74,10 @@ def become_subreaper() -> bool:
 
 
 def reap_orphans() -> list[int]:
-    """Reap zombie children that asyncio does not own (orphans that reparented to us).
+    """Reap zombie children that nobody else waits for (orphans that reparented to us).
 
     The children are read from /proc/self/task/*/children (a full /proc scan where the kernel
-    lacks it); a child that is not a zombie is left alone, one of asyncio's (`_OWNED`) too."""
+    lacks it); a child that is not a zombie is left alone, one waited for (`_OWNED`) too."""
     reaped: list[int] = []
     kids = _direct_children()
     if -1 in kids:
@@ -95,7 +99,7 @@ def reap_orphans() -> list[int]:
 class OrphanReaper:
     """SIGCHLD's handler: reaps orphans a little later, once per burst of signals.
 
-    A SIGCHLD mostly announces our own server's exit, which asyncio's child watcher reports;
+    A SIGCHLD mostly announces our own server's exit, which its pidfd reports;
     reaping orphans right then would put a walk of our children in front of that exit's
     handling and the relaunch. They are zombies already: a few tens of milliseconds more costs
     nothing."""
@@ -138,20 +142,21 @@ def create_time_of(pid: int) -> float | None:
         return None
 
 
-class _Protocol(asyncio.SubprocessProtocol):
-    def __init__(self, on_output: Callable[[bytes, int], None]) -> None:
-        self.on_output = on_output
-        self.exited: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+class _Protocol:
+    """The server's two output pipes and its exit, as one: what `ChildProcess` waits on."""
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.on_output: Callable[[bytes, int], None] = lambda data, fd: None
+        self.unread: list[int] = []  # the pipes' read ends, until `read_output` takes them
+        self.exited: asyncio.Future[int | None] = loop.create_future()
         # Set by the first output: the server is running (see `host._spawn`'s first slice).
-        self.first_output: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.first_output: asyncio.Future[None] = loop.create_future()
         self.pipes_closed = asyncio.Event()
         self._open = 2
-        self.transport: asyncio.SubprocessTransport | None = None
+        self.pipes: list[asyncio.ReadTransport] = []
         # Told of the exit in the same turn (a future's callbacks wait for the next one).
         self.on_exit: Callable[[int | None], None] | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
 
     def pipe_data_received(self, fd: int, data: bytes) -> None:
         if not self.first_output.done():
@@ -163,12 +168,58 @@ class _Protocol(asyncio.SubprocessProtocol):
         if self._open <= 0:
             self.pipes_closed.set()
 
-    def process_exited(self) -> None:
-        assert self.transport is not None
+    def process_exited(self, returncode: int | None) -> None:
         if not self.exited.done():
-            self.exited.set_result(self.transport.get_returncode())
+            self.exited.set_result(returncode)
             if self.on_exit is not None:
-                self.on_exit(self.exited.result())
+                self.on_exit(returncode)
+
+    def watch_exit(self, pid: int) -> None:
+        """Reap `pid` when it exits: its pidfd on the loop, or (a kernel before 5.3, with no
+        pidfd) a thread blocked in waitpid."""
+        loop = asyncio.get_running_loop()
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            threading.Thread(
+                target=self._wait_thread, args=(loop, pid), name=f"wait-{pid}", daemon=True
+            ).start()
+            return
+
+        def readable() -> None:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            self.process_exited(_reap(pid))  # it has exited: this does not block
+
+        loop.add_reader(pidfd, readable)
+
+    def _wait_thread(self, loop: asyncio.AbstractEventLoop, pid: int) -> None:
+        returncode = _reap(pid)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is exiting
+            loop.call_soon_threadsafe(self.process_exited, returncode)
+
+
+def _reap(pid: int) -> int | None:
+    """The exit code of our child `pid` (-N for signal N), waiting for it; None when it was
+    reaped elsewhere."""
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:
+        return None
+    return os.waitstatus_to_exitcode(status)
+
+
+class _Pipe(asyncio.Protocol):
+    """One output stream of the server, read by the loop in chunks of at most `READ_SIZE`."""
+
+    def __init__(self, owner: _Protocol, fd: int) -> None:
+        self.owner, self.fd = owner, fd
+
+    def data_received(self, data: bytes) -> None:
+        self.owner.pipe_data_received(self.fd, data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.owner.pipe_connection_lost(self.fd, exc)
 
 
 @dataclass
@@ -178,7 +229,6 @@ class ChildProcess:
     started_mono: float
     launch_id: str
     protocol: _Protocol
-    transport: asyncio.SubprocessTransport
     signals_sent: list[str] = field(default_factory=list)
 
     @property
@@ -214,65 +264,132 @@ class ChildProcess:
         except TimeoutError:
             return False
 
-    def close(self) -> None:
-        """Drop our ends of the pipes (a grandchild may hold the other ends for ever)."""
-        _OWNED.discard(self.pid)
-        with contextlib.suppress(Exception):
-            self.transport.close()
-
-
-async def spawn(
-    argv: list[str],
-    env: dict[str, str],
-    launch_id: str,
-    on_output: Callable[[bytes, int], None],
-    *,
-    cwd: Path | None = None,
-    token: str = "",
-) -> ChildProcess:
-    """Start `argv` (no shell) in a new session. Raises OSError when it cannot be executed."""
-    loop = asyncio.get_running_loop()
-    protocol: _Protocol | None = None
-
-    def factory() -> _Protocol:
-        nonlocal protocol
-        protocol = _Protocol(on_output)
-        return protocol
-
-    full_env = {**env, LAUNCH_ENV: launch_id, TOKEN_ENV: token}
-    started = time.monotonic()
-    transport, _ = await loop.subprocess_exec(
-        factory,
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
-        env=full_env,
-        cwd=cwd,
-    )
-    assert protocol is not None
-    pid = transport.get_pid()
-    for fd in (1, 2):  # room for bursts: the child blocks less while we process a chunk
-        pipe = transport.get_pipe_transport(fd)
-        if pipe is not None:
+    async def read_output(self, on_output: Callable[[bytes, int], None]) -> None:
+        """Hand the output to `on_output` (chunks, with 1 or 2 for the stream) from now on, and
+        learn the process's create time."""
+        loop = asyncio.get_running_loop()
+        protocol = self.protocol
+        protocol.on_output = on_output
+        fds, protocol.unread = protocol.unread, []
+        for fd, read_end in zip((1, 2), fds, strict=True):
+            # Room for bursts: the child blocks less while we process a chunk.
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(read_end, F_SETPIPE_SZ, PIPE_SIZE)
+            pipe, _ = await loop.connect_read_pipe(
+                lambda fd=fd: _Pipe(protocol, fd),  # type: ignore[misc]
+                open(read_end, "rb", buffering=0),  # noqa: SIM115, ASYNC230 - the transport closes it
+            )
             # Smaller reads than asyncio's 256 KiB let other callbacks (the API) run between
             # chunks during a flood; the cost per byte barely changes.
             pipe.max_size = READ_SIZE  # type: ignore[attr-defined]
-            # The pipe may already be closed: a child that exits at once.
-            with contextlib.suppress(OSError, AttributeError, ValueError):
-                fcntl.fcntl(pipe.get_extra_info("pipe").fileno(), F_SETPIPE_SZ, PIPE_SIZE)
+            protocol.pipes.append(pipe)
+        # Read off the loop: /proc/PID/stat answers only once the exec is through (a
+        # millisecond or two of a Python server's), and the loop has other work meanwhile.
+        create_time = await asyncio.to_thread(create_time_of, self.pid)
+        self.create_time = create_time or time.time()
+
+    def close(self) -> None:
+        """Drop our ends of the pipes (a grandchild may hold the other ends for ever). A main
+        process still running is killed: nothing of ours may outlive its handle."""
+        self.signal(signal.SIGKILL)
+        _OWNED.discard(self.pid)
+        for pipe in self.protocol.pipes:
+            with contextlib.suppress(Exception):
+                pipe.close()
+        for fd in self.protocol.unread:
+            os.close(fd)
+        self.protocol.unread = []
+
+
+SYS_CLOSE_RANGE = 436  # the same number on x86-64 and arm64
+CLOSE_RANGE_CLOEXEC = 4
+_libc: ctypes.CDLL | None = None
+
+
+def _close_on_exec_above_stdio() -> None:
+    """Mark every descriptor above 2 close-on-exec, so the server inherits only 0, 1 and 2
+    (subprocess's close_fds, which posix_spawn lacks). Python's own are already; C libraries'
+    may not be (NVML's device files). One close_range(2) call on Linux 5.11+; a scan of
+    /proc/self/fd on older kernels."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        if _libc.syscall(SYS_CLOSE_RANGE, 3, 0xFFFFFFFF, CLOSE_RANGE_CLOEXEC) == 0:
+            return
+    except (OSError, AttributeError):
+        pass
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                if int(name) > 2 and os.get_inheritable(int(name)):
+                    os.set_inheritable(int(name), False)
+
+
+def _pipe() -> tuple[int, int]:
+    """A pipe whose ends are not 0, 1 or 2 (a daemon started with those closed would get
+    them, and the server's dup2 onto them would then be a no-op that keeps close-on-exec)."""
+    ends = []
+    for end in os.pipe():
+        if end > 2:
+            ends.append(end)
+        else:
+            ends.append(fcntl.fcntl(end, fcntl.F_DUPFD_CLOEXEC, 3))
+            os.close(end)
+    return ends[0], ends[1]
+
+
+def executable(name: str, env: dict[str, str]) -> str:
+    """`name` as exec finds it: a path when it has a slash, else searched in the server's own
+    PATH (as subprocess does, not the daemon's). FileNotFoundError when it is nowhere."""
+    if "/" in name:
+        return name
+    found = shutil.which(name, path=env.get("PATH", os.defpath))
+    if found is None:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", name)
+    return found
+
+
+def start(argv: list[str], env: dict[str, str], launch_id: str, *, token: str = "") -> ChildProcess:
+    """Start `argv` (no shell) in a new session, stdin /dev/null, stdout and stderr on pipes;
+    return at its exec. Raises OSError when it cannot be executed. Nothing of its output is
+    read until `read_output`.
+
+    posix_spawn (a vfork and the exec, the environment converted in C) from the loop's own
+    thread, and the exit read from a pidfd on the loop: on the restart path nothing runs
+    between the decision and the exec but this, and the exit reaches the owner in the turn the
+    pidfd turns readable. The server inherits only the three descriptors it is given."""
+    full_env = {**env, LAUNCH_ENV: launch_id, TOKEN_ENV: token}
+    path = executable(argv[0], full_env)
+    protocol = _Protocol()
+    started = time.monotonic()
+    out_r, out_w = _pipe()
+    err_r, err_w = _pipe()
+    _close_on_exec_above_stdio()
+    try:
+        pid = os.posix_spawn(
+            path,
+            argv,
+            full_env,
+            file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_DUP2, out_w, 1),
+                (os.POSIX_SPAWN_DUP2, err_w, 2),
+            ],
+            setsid=True,
+        )
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
+    finally:
+        os.close(out_w)
+        os.close(err_w)
     _OWNED.add(pid)
-    # Read off the loop: /proc/PID/stat answers only once the exec is through (a millisecond
-    # or two of a Python server's), and the loop has the exit's records to write meanwhile.
-    create_time = await asyncio.to_thread(create_time_of, pid)
+    protocol.watch_exit(pid)
+    protocol.unread = [out_r, err_r]
     return ChildProcess(
-        pid=pid,
-        create_time=create_time or time.time(),
-        started_mono=started,
-        launch_id=launch_id,
-        protocol=protocol,
-        transport=transport,
+        pid=pid, create_time=0.0, started_mono=started, launch_id=launch_id, protocol=protocol
     )
 
 

@@ -235,34 +235,53 @@ class Host(GpuWatch):
 
     def spawn(self, launch: Launch, header: list[str]) -> None:
         self._early[launch.gen] = []
-        self.task(self._spawn(launch, header), gen=launch.gen)
+        # The exec in this very turn (posix_spawn returns at it): the server does not wait for
+        # a task's turn of the loop. Its log, its pipes and its first slice are the task's.
+        cfg = launch.config
+        try:
+            env = cfg.process_env(self.base_env)
+            child: childmod.ChildProcess | Exception = childmod.start(
+                cfg.argv, env, launch.launch_id, token=launch.token
+            )
+        except Exception as exc:  # OSError from exec; anything else must not strand it
+            child = exc
+        self.task(self._spawn(launch, header, child), gen=launch.gen)
 
-    async def _spawn(self, launch: Launch, header: list[str]) -> None:
+    async def _spawn(
+        self, launch: Launch, header: list[str], child: childmod.ChildProcess | Exception
+    ) -> None:
         cfg, gen = launch.config, launch.gen
         path = self.settings.log_dir / cfg.name / f"{launch.launch_id}.log"
+
+        def open_log() -> LaunchLog:
+            return LaunchLog(
+                path,
+                header,
+                on_lines=lambda lines, parsed: self._on_lines(launch, lines, parsed),
+                redact=launch.redactor.text,
+                on_write=lambda error: self.post(WriteHealth("launch_log", error, gen)),
+            )
+
+        posted = False
         try:
+            if isinstance(child, Exception):
+                exc = child
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
+                detail = f"cannot execute {cfg.argv[0]!r}: {why}"
+                with contextlib.suppress(LogUnwritable):
+                    open_log().close(f"exec failed: {detail}")
+                self.post(SpawnFailed(gen, "exec_failed", detail))
+                return
+            # The log is created right after the exec: a filesystem can take a few hundred
+            # microseconds to create a file, and the server need not wait for them. Nothing of
+            # its output is read before the file exists; one that cannot be created ends the
+            # server at once (its group, SIGKILL), before it has done anything.
             try:
-                launch_log = LaunchLog(
-                    path,
-                    header,
-                    on_lines=lambda lines, parsed: self._on_lines(launch, lines, parsed),
-                    redact=launch.redactor.text,
-                    on_write=lambda error: self.post(WriteHealth("launch_log", error, gen)),
-                )
+                launch_log = open_log()
             except LogUnwritable as exc:
                 self.post(SpawnFailed(gen, "log_unwritable", f"cannot create the log: {exc}"))
                 return
-            env = cfg.process_env(self.base_env)
-            try:
-                child = await childmod.spawn(
-                    cfg.argv, env, launch.launch_id, launch_log.feed, token=launch.token
-                )
-            except Exception as exc:  # OSError from exec; anything else must not strand it
-                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
-                detail = f"cannot execute {cfg.argv[0]!r}: {why}"
-                launch_log.close(f"exec failed: {detail}")
-                self.post(SpawnFailed(gen, "exec_failed", detail))
-                return
+            await child.read_output(launch_log.feed)
             # The new server's first slice of CPU before the launch's bookkeeping (records, the
             # state save, probes): on a host with few cores that work otherwise keeps the
             # server waiting for a CPU as it starts. It ends early at the server's first output
@@ -280,8 +299,12 @@ class Host(GpuWatch):
             else:
                 child.protocol.on_exit = lambda returncode: self.post(ChildExited(gen, returncode))
             self.post(Spawned(gen, child, launch_log))
+            posted = True
             self.flush_records()  # what the relaunch held back, now that the server runs
         finally:
+            if not posted and isinstance(child, childmod.ChildProcess):
+                child.kill_group()  # no log, or the daemon is going: it must not run on unseen
+                child.close()
             for msg in self._early.pop(gen, []):
                 self.post(msg)
 

@@ -238,8 +238,8 @@ def escape_controls(text: str) -> str:
 class LaunchLog:
     """One launch's log file plus its ring, fed with raw chunks from the child's pipes.
 
-    The file is created (with its header) before the child is started; `LogUnwritable` then
-    fails the launch.
+    The file is created (with its header) right after the child's exec, before any of its
+    output is read; `LogUnwritable` then ends the child and fails the launch.
     """
 
     def __init__(

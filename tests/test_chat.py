@@ -211,8 +211,8 @@ def test_no_log_because_the_log_dir_is_not_writable(
     d.wait_state("backoff", reason="log_unwritable")
     text = d.http.post("/chat", json={"text": "server crashed"}).json()["text"]
     assert (
-        "log: no log exists: the launch's log file could not be created, so nothing was started"
-        in text
+        "log: no log exists: the launch's log file could not be created, so the server was "
+        "killed at its start" in text
     )
     assert "afile/logs" in text
 

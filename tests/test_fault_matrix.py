@@ -409,7 +409,8 @@ def test_log_dir_not_writable(procs: list[Proc], tmp_path: Path, fake_gpu: Path)
     first = d.wait_event("server.exit", reason="log_unwritable")
     assert "afile/logs" in first["evidence"]
     d.wait_event("server.exit", reason="log_unwritable", after=first["_index"])  # retried
-    assert not [r for r in d.records() if r.get("event") == "server.launch"]  # no log, no run
+    # No log, no launch: the server is killed at its exec.
+    assert not [r for r in d.records() if r.get("event") == "server.launch"]
     wait_recorded(tmp_path, "the log_unwritable exit", has_exit("log_unwritable"))
     state = tmp_path / "state" / "state.json"
     wait_until(  # written off the loop, after the message that changed it

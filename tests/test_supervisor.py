@@ -15,10 +15,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 
 from gpuwarden.daemon import views
+from gpuwarden.daemon.child import LAUNCH_ENV
 from gpuwarden.daemon.gpu import FakeGpuBackend
 from gpuwarden.daemon.health import ProbeResult
 from gpuwarden.daemon.launchlog import RING_BYTES, RING_LINES
@@ -351,6 +353,16 @@ async def test_external_sigkill_is_a_signal_exit(tmp_path: Path, fake_gpu: Path)
         assert ex["signal"] == 9
 
 
+def launch_processes(launch_id: str) -> list[int]:
+    """Live processes (not zombies) that carry `launch_id` in their environment."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(LAUNCH_ENV) == launch_id:
+                found.append(proc.pid)
+    return found
+
+
 async def test_log_dir_through_a_regular_file_is_log_unwritable(
     tmp_path: Path, fake_gpu: Path
 ) -> None:
@@ -366,7 +378,9 @@ async def test_log_dir_through_a_regular_file_is_log_unwritable(
         assert ex["reason"] == "log_unwritable"
         assert "cannot create the log" in ex["evidence"]
         assert sup.machine.state in (S.BACKOFF, S.WAITING_GPU, S.FAILED)
-        assert not events(sup, "launch")  # nothing was started without a log
+        assert not events(sup, "launch")  # nothing was launched without a log
+        # The server was killed at its exec, before it did anything, and reaped.
+        assert not launch_processes(ex["launch_id"])
 
 
 async def test_foreign_gpu_holder_is_gpu_busy_naming_it(

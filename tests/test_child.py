@@ -1,0 +1,105 @@
+"""The server's process as `child.start` makes it: what it inherits, how its exit is read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from gpuwarden.daemon import child as childmod
+
+from .conftest import PY
+
+# Prints what the server was given: its descriptors, its session, its stdin, two variables.
+INTROSPECT = """
+import json, os, sys
+fds = sorted(int(f) for f in os.listdir("/proc/self/fd"))
+print(json.dumps({
+    "fds": fds,
+    "leader": os.getsid(0) == os.getpid(),
+    "stdin": os.readlink("/proc/self/fd/0"),
+    "launch": os.environ.get("GPUWARDEN_LAUNCH_ID"),
+    "extra": os.environ.get("GW_EXTRA"),
+}), flush=True)
+"""
+
+
+async def run(argv: list[str], env: dict[str, str]) -> tuple[int | None, bytes, bytes]:
+    """Start `argv`, read all of its output; its exit code, stdout and stderr."""
+    out: dict[int, bytes] = {1: b"", 2: b""}
+
+    def on_output(data: bytes, fd: int) -> None:
+        out[fd] += data
+
+    child = childmod.start(argv, env, "L-1", token="tok")
+    try:
+        await child.read_output(on_output)
+        code = await asyncio.wait_for(asyncio.shield(child.exited), 30)
+        assert await child.wait_pipes_closed(30)
+    finally:
+        child.close()
+    return code, out[1], out[2]
+
+
+async def test_the_server_inherits_stdio_alone_in_a_session_of_its_own() -> None:
+    # An inheritable descriptor of the daemon's (a C library's, like NVML's device files).
+    leaked = os.open(os.devnull, os.O_RDONLY)
+    os.set_inheritable(leaked, True)
+    try:
+        env = {**os.environ, "GW_EXTRA": "yes"}
+        code, out, _ = await run([PY, "-c", INTROSPECT], env)
+    finally:
+        os.close(leaked)
+    seen = json.loads(out)
+    assert code == 0
+    # 0-2, and the descriptor its own listdir held open; never the daemon's.
+    assert seen["fds"] == [0, 1, 2, 3], seen["fds"]
+    assert seen["leader"] is True
+    assert seen["stdin"] == os.devnull
+    assert (seen["launch"], seen["extra"]) == ("L-1", "yes")
+
+
+async def test_a_bare_command_is_found_in_the_servers_path_not_the_daemons(
+    tmp_path: Path,
+) -> None:
+    tool = tmp_path / "bin" / "gw-only-here"
+    tool.parent.mkdir()
+    tool.write_text('#!/bin/sh\necho found "$@"\n')
+    tool.chmod(0o755)
+    assert str(tool.parent) not in os.environ.get("PATH", "")
+    env = {**os.environ, "PATH": f"{tool.parent}:/usr/bin:/bin"}
+    code, out, _ = await run(["gw-only-here", "x"], env)
+    assert (code, out) == (0, b"found x\n")
+    with pytest.raises(FileNotFoundError) as err:
+        childmod.start(["gw-only-here"], dict(os.environ), "L-2")
+    assert err.value.strerror == "No such file or directory"
+
+
+async def test_exit_codes_and_signals_are_read_from_the_process() -> None:
+    code, _, err = await run([PY, "-c", "import sys; sys.stderr.write('bye'); sys.exit(3)"], {})
+    assert (code, err) == (3, b"bye")
+    code, _, _ = await run([PY, "-c", "import os; os.kill(os.getpid(), 9)"], {})
+    assert code == -signal.SIGKILL
+
+
+async def test_a_child_closed_while_it_runs_is_killed_and_reaped() -> None:
+    child = childmod.start([PY, "-c", "import time; time.sleep(60)"], {}, "L-3")
+    await child.read_output(lambda data, fd: None)
+    assert child.pid in childmod.helper_pids()  # the reaper leaves it to its pidfd
+    child.close()
+    assert await asyncio.wait_for(asyncio.shield(child.exited), 30) == -signal.SIGKILL
+    assert child.pid not in childmod.helper_pids()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(child.pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG; reaped: no zombie
+
+
+async def test_a_child_never_read_leaves_no_descriptor_open() -> None:
+    before = set(os.listdir("/proc/self/fd"))
+    child = childmod.start([PY, "-c", "pass"], {}, "L-4")
+    await asyncio.wait_for(asyncio.shield(child.exited), 30)
+    child.close()
+    assert set(os.listdir("/proc/self/fd")) <= before
