@@ -76,8 +76,9 @@ def become_subreaper() -> bool:
 def reap_orphans() -> list[int]:
     """Reap zombie children that nobody else waits for (orphans that reparented to us).
 
-    The children are read from /proc/self/task/*/children (a full /proc scan where the kernel
-    lacks it); a child that is not a zombie is left alone, one waited for (`_OWNED`) too."""
+    The children are read from the main thread's /proc children list (a full /proc scan where
+    the kernel lacks it); a child that is not a zombie is left alone, one waited for
+    (`_OWNED`) too."""
     reaped: list[int] = []
     kids = _direct_children()
     if -1 in kids:
@@ -413,15 +414,16 @@ def _environ_has(pid: int, marker: bytes) -> bool:
 
 
 def _direct_children() -> set[int]:
-    """This process's children, from /proc/self/task/*/children (no full /proc scan)."""
-    kids: set[int] = set()
+    """This process's children, from its main thread's /proc children list (no /proc scan).
+
+    The main thread's list holds them all: every process of ours is started from the loop's
+    thread (the other threads only read files and call NVML), and the kernel hands an orphan
+    to a subreaper's first live thread, the main one (kernel/exit.c, find_new_reaper)."""
     try:
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/children") as f:
-                kids.update(int(p) for p in f.read().split())
+        with open(f"/proc/self/task/{os.getpid()}/children") as f:
+            return {int(p) for p in f.read().split()}
     except OSError:
         return {-1}  # unknown: make the caller do the full scan
-    return kids
 
 
 def nothing_left(pgid: int | None) -> bool:

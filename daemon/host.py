@@ -397,17 +397,23 @@ class Host(GpuWatch):
             self.task(self._after_exit(launch), gen=launch.gen, deadline_s=self.sweep_deadline_s)
 
     def _swept_at_once(self, launch: Launch) -> bool:
-        """The usual end of a server, known without a wait: its output is all in, nothing of its
-        is left (we are the subreaper) and no GPU lists a process. Posted at once, with no
-        task's turns of the loop on the way to the relaunch; the rest is `_after_exit`'s."""
+        """The usual end of a server, known without a wait: its output is all in and nothing of
+        it is left (we are the subreaper, so every process of ours is our child). Posted at
+        once, with no task's turns of the loop on the way to the relaunch; the rest is
+        `_after_exit`'s.
+
+        The GPUs: a backend that answers at once is asked whether any GPU lists a process (a
+        holder of ours from an earlier life of the daemon is the task's to kill). NVML is not
+        asked here: no process of ours is alive, and the GPU wait that comes before any launch
+        samples NVML anyway, killing holders of ours on the GPUs it waits for."""
         child = launch.child
         if child is None or not self.subreaper or not child.protocol.pipes_closed.is_set():
             return False
         try:
-            snap = self.gpu_snapshot_now()
-            if snap is None or any(g.processes for g in snap.gpus):
-                return False
             if not childmod.nothing_left(child.pgid):
+                return False
+            cheap = not getattr(self.gpu, "blocking", True)
+            if cheap and any(g.processes for g in self.gpu.snapshot().gpus):
                 return False
         except Exception:  # the task's path tries again, and reports what fails
             return False

@@ -131,6 +131,12 @@ def configure(json_logs: bool | None = None, level: int = logging.INFO) -> None:
     journal = journald_stderr()
     if json_logs is None:
         json_logs = journal or not sys.stderr.isatty()
+    # What no line of ours shows is not gathered for each record (the logging docs'
+    # "Optimization"): the caller's file and line (a walk of the stack), thread, process.
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(Formatter(json_logs, priority_prefix=journal))
     root = logging.getLogger()
