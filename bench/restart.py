@@ -131,13 +131,18 @@ def poll(pred: Callable[[], bool], timeout: float, what: str) -> None:
 class Runner:
     """One tool under the gated child, and its rounds."""
 
-    def __init__(self, name: str, root: Path, gpu_backend: str = "none") -> None:
+    def __init__(
+        self, name: str, root: Path, gpu_backend: str = "none", no_site: bool = False
+    ) -> None:
         self.name = name
         self.path = root / f"{name}-stamps.txt"
         # gpuwarden's GPU backend: none (the default), or nvml on a GPU host, where the sweep
         # and the GPU wait on the restart path ask NVML.
         gpu = {"gpu": {"backend": gpu_backend}}
-        prog = peers.Program(peers.py(GATED, str(self.path)), gw_settings=gpu)
+        argv = peers.py(GATED, str(self.path))
+        if no_site:  # the child's Python skips `site` (see --no-site)
+            argv.insert(1, "-S")
+        prog = peers.Program(argv, gw_settings=gpu)
         self.tool = TOOLS[name](root / name, prog)
         self.gap_s: list[float] = []
         self.exit_s: list[float] = []
@@ -167,11 +172,13 @@ class Runner:
 
 
 @contextlib.contextmanager
-def started(names: list[str], root: Path, gpu_backend: str = "none") -> Iterator[list[Runner]]:
+def started(
+    names: list[str], root: Path, gpu_backend: str = "none", no_site: bool = False
+) -> Iterator[list[Runner]]:
     runners: list[Runner] = []
     try:
         for name in names:
-            runner = Runner(name, root, gpu_backend)
+            runner = Runner(name, root, gpu_backend, no_site)
             runners.append(runner)
             runner.tool.start()
             poll(lambda r=runner: bool(r.starts()), 60, f"{name}: its first child")
@@ -183,12 +190,12 @@ def started(names: list[str], root: Path, gpu_backend: str = "none") -> Iterator
 
 
 def interleaved(
-    names: list[str], rounds: int, root: Path, gpu_backend: str = "none"
+    names: list[str], rounds: int, root: Path, gpu_backend: str = "none", no_site: bool = False
 ) -> dict[str, dict[str, list[float]]]:
     """Each tool's crash -> next start and exit -> report times (s), `rounds` interleaved
     rounds after the warm-up; `names` from TOOLS."""
     root.mkdir(parents=True, exist_ok=True)
-    with started(names, root, gpu_backend) as runners:
+    with started(names, root, gpu_backend, no_site) as runners:
         for i in range(WARMUP + rounds):
             k = i % len(runners)
             for runner in runners[k:] + runners[:k]:
@@ -274,6 +281,12 @@ def main() -> int:
         default="none",
         help="gpuwarden's GPU backend (nvml: on a GPU host, NVML on the restart path)",
     )
+    ap.add_argument(
+        "--no-site",
+        action="store_true",
+        help="the child runs `python -S`: where Python's site is heavy (a venv of ML packages"
+        " with .pth files) its start takes tens of ms and varies by more than the tools differ",
+    )
     args = ap.parse_args()
     if args.repeat < 1 or args.rounds < 1:
         ap.error("--repeat and --rounds must be at least 1")
@@ -286,13 +299,14 @@ def main() -> int:
     names = ["gpuwarden", "PM2", *(["supervisord"] if args.supervisord else []), "floor"]
     print(
         f"{peers.machine()['cpu']}, {os.cpu_count()} cores; {', '.join(names)}; "
-        f"gpuwarden's GPU backend: {args.gpu_backend}",
+        f"gpuwarden's GPU backend: {args.gpu_backend}"
+        + ("; the child without site (-S)" if args.no_site else ""),
         flush=True,
     )
     verdicts = []
     for n in range(1, args.repeat + 1):
         with tempfile.TemporaryDirectory() as tmp:
-            res = interleaved(names, args.rounds, Path(tmp), args.gpu_backend)
+            res = interleaved(names, args.rounds, Path(tmp), args.gpu_backend, args.no_site)
         verdicts.append(judge(res))
         print(report_run(n, args.repeat, args.rounds, res), flush=True)
     print(summary(verdicts))
