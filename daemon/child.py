@@ -387,7 +387,15 @@ def start(argv: list[str], env: dict[str, str], launch_id: str, *, token: str = 
         os.close(out_w)
         os.close(err_w)
     _OWNED.add(pid)
-    protocol.watch_exit(pid)
+    try:
+        protocol.watch_exit(pid)
+    except BaseException:  # nothing would read its exit: it must not run on unseen
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+        _OWNED.discard(pid)  # the orphan reaper takes its exit status
+        os.close(out_r)
+        os.close(err_r)
+        raise
     protocol.unread = [out_r, err_r]
     return ChildProcess(
         pid=pid, create_time=0.0, started_mono=started, launch_id=launch_id, protocol=protocol

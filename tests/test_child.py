@@ -7,6 +7,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -103,3 +104,27 @@ async def test_a_child_never_read_leaves_no_descriptor_open() -> None:
     await asyncio.wait_for(asyncio.shield(child.exited), 30)
     child.close()
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+async def test_a_child_whose_exit_cannot_be_watched_is_killed_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_watch(self: object, pid: int) -> None:
+        raise RuntimeError("can't start new thread")
+
+    spawned: list[int] = []
+    real_spawn = os.posix_spawn
+
+    def spawn(*args: Any, **kwargs: Any) -> int:
+        spawned.append(real_spawn(*args, **kwargs))
+        return spawned[-1]
+
+    monkeypatch.setattr(childmod._Protocol, "watch_exit", no_watch)
+    monkeypatch.setattr(os, "posix_spawn", spawn)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(RuntimeError):
+        childmod.start([PY, "-c", "import time; time.sleep(60)"], {}, "L-5")
+    assert set(os.listdir("/proc/self/fd")) <= before
+    assert spawned[0] not in childmod.helper_pids()  # left to the orphan reaper
+    _, status = await asyncio.to_thread(os.waitpid, spawned[0], 0)
+    assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL
