@@ -18,7 +18,6 @@ import ctypes
 import errno
 import fcntl
 import os
-import shutil
 import signal
 import threading
 import time
@@ -189,20 +188,37 @@ class _Protocol:
 
         def readable() -> None:
             loop.remove_reader(pidfd)
-            os.close(pidfd)
-            self.process_exited(_reap(pid))  # it has exited: this does not block
+            try:
+                returncode = _reap(pid, pidfd)  # it has exited: this does not block
+            finally:
+                os.close(pidfd)
+                _OWNED.discard(pid)  # reaped: the pid is no longer ours
+            self.process_exited(returncode)
 
         loop.add_reader(pidfd, readable)
 
     def _wait_thread(self, loop: asyncio.AbstractEventLoop, pid: int) -> None:
         returncode = _reap(pid)
+        _OWNED.discard(pid)
         with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is exiting
             loop.call_soon_threadsafe(self.process_exited, returncode)
 
 
-def _reap(pid: int) -> int | None:
+def _reap(pid: int, pidfd: int | None = None) -> int | None:
     """The exit code of our child `pid` (-N for signal N), waiting for it; None when it was
-    reaped elsewhere."""
+    reaped elsewhere. With its pidfd, that very process is reaped, whatever its pid has become
+    (waitid P_PIDFD, Linux 5.4+)."""
+    if pidfd is not None and hasattr(os, "P_PIDFD"):
+        try:
+            info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
+        except ChildProcessError:
+            return None
+        except OSError:  # a kernel with pidfd_open but without P_PIDFD (5.3)
+            pass
+        else:
+            if info is None:
+                return None
+            return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
     try:
         _, status = os.waitpid(pid, 0)
     except ChildProcessError:
@@ -271,8 +287,10 @@ class ChildProcess:
         loop = asyncio.get_running_loop()
         protocol = self.protocol
         protocol.on_output = on_output
-        fds, protocol.unread = protocol.unread, []
-        for fd, read_end in zip((1, 2), fds, strict=True):
+        for fd in (1, 2):
+            # Each read end passes to its transport (which closes it, also on failure); the
+            # ones not yet passed stay in `unread`, for `close`.
+            read_end = protocol.unread.pop(0)
             # Room for bursts: the child blocks less while we process a chunk.
             with contextlib.suppress(OSError):
                 fcntl.fcntl(read_end, F_SETPIPE_SZ, PIPE_SIZE)
@@ -291,9 +309,9 @@ class ChildProcess:
 
     def close(self) -> None:
         """Drop our ends of the pipes (a grandchild may hold the other ends for ever). A main
-        process still running is killed: nothing of ours may outlive its handle."""
+        process still running is killed: nothing of ours may outlive its handle (its exit is
+        still read, from its pidfd)."""
         self.signal(signal.SIGKILL)
-        _OWNED.discard(self.pid)
         for pipe in self.protocol.pipes:
             with contextlib.suppress(Exception):
                 pipe.close()
@@ -330,25 +348,36 @@ def _close_on_exec_above_stdio() -> None:
 def _pipe() -> tuple[int, int]:
     """A pipe whose ends are not 0, 1 or 2 (a daemon started with those closed would get
     them, and the server's dup2 onto them would then be a no-op that keeps close-on-exec)."""
-    ends = []
-    for end in os.pipe():
-        if end > 2:
-            ends.append(end)
-        else:
-            ends.append(fcntl.fcntl(end, fcntl.F_DUPFD_CLOEXEC, 3))
-            os.close(end)
+    ends = list(os.pipe())
+    try:
+        for i, end in enumerate(ends):
+            if end <= 2:
+                ends[i] = fcntl.fcntl(end, fcntl.F_DUPFD_CLOEXEC, 3)
+                os.close(end)
+    except OSError:
+        for end in ends:
+            with contextlib.suppress(OSError):
+                os.close(end)
+        raise
     return ends[0], ends[1]
 
 
 def executable(name: str, env: dict[str, str]) -> str:
     """`name` as exec finds it: a path when it has a slash, else searched in the server's own
-    PATH (as subprocess does, not the daemon's). FileNotFoundError when it is nowhere."""
+    PATH as subprocess does (not the daemon's PATH; an empty entry is the working directory).
+    Not found: FileNotFoundError; found only without the right to run it: PermissionError."""
     if "/" in name:
         return name
-    found = shutil.which(name, path=env.get("PATH", os.defpath))
-    if found is None:
-        raise FileNotFoundError(errno.ENOENT, "No such file or directory", name)
-    return found
+    denied = False
+    for folder in os.get_exec_path(env):
+        candidate = os.path.join(folder, name)
+        if os.path.isfile(candidate):
+            if os.access(candidate, os.X_OK):
+                return candidate
+            denied = True
+    if denied:
+        raise PermissionError(errno.EACCES, "Permission denied", name)
+    raise FileNotFoundError(errno.ENOENT, "No such file or directory", name)
 
 
 def start(argv: list[str], env: dict[str, str], launch_id: str, *, token: str = "") -> ChildProcess:
@@ -365,7 +394,12 @@ def start(argv: list[str], env: dict[str, str], launch_id: str, *, token: str = 
     protocol = _Protocol()
     started = time.monotonic()
     out_r, out_w = _pipe()
-    err_r, err_w = _pipe()
+    try:
+        err_r, err_w = _pipe()
+    except OSError:
+        os.close(out_r)
+        os.close(out_w)
+        raise
     _close_on_exec_above_stdio()
     try:
         pid = os.posix_spawn(
@@ -378,6 +412,9 @@ def start(argv: list[str], env: dict[str, str], launch_id: str, *, token: str = 
                 (os.POSIX_SPAWN_DUP2, err_w, 2),
             ],
             setsid=True,
+            # What Python ignores (SIGPIPE) and the daemon too (SIGXFSZ) is the default again
+            # in the server, as subprocess's restore_signals did: `| head` ends a shell quietly.
+            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
         )
     except BaseException:
         os.close(out_r)

@@ -292,14 +292,17 @@ class Host(GpuWatch):
                 timeout=FIRST_SLICE_S,
                 return_when=asyncio.FIRST_COMPLETED,
             )
+            # The machine hears of the process, then of what it printed, then of its exit.
+            self.post(Spawned(gen, child, launch_log))
+            posted = True
+            for msg in self._early.pop(gen, []):
+                self.post(msg)
             if child.exited.done():  # it exited within its first slice
                 self.post(
                     ChildExited(gen, None if child.exited.cancelled() else child.exited.result())
                 )
             else:
                 child.protocol.on_exit = lambda returncode: self.post(ChildExited(gen, returncode))
-            self.post(Spawned(gen, child, launch_log))
-            posted = True
             self.flush_records()  # what the relaunch held back, now that the server runs
         finally:
             if not posted and isinstance(child, childmod.ChildProcess):
@@ -310,6 +313,7 @@ class Host(GpuWatch):
 
     def abandon(self, child: Any, log: Any) -> None:
         child.kill_group()
+        child.close()
         log.close("abandoned: no launch attempt wants it")
 
     def _on_lines(
@@ -404,8 +408,9 @@ class Host(GpuWatch):
 
         The GPUs: a backend that answers at once is asked whether any GPU lists a process (a
         holder of ours from an earlier life of the daemon is the task's to kill). NVML is not
-        asked here: no process of ours is alive, and the GPU wait that comes before any launch
-        samples NVML anyway, killing holders of ours on the GPUs it waits for."""
+        asked here: no process of ours is alive (the previous life's were swept at boot), and
+        the GPU wait that comes before any launch samples NVML anyway, killing holders of ours
+        on the GPUs it waits for."""
         child = launch.child
         if child is None or not self.subreaper or not child.protocol.pipes_closed.is_set():
             return False

@@ -80,6 +80,31 @@ async def test_a_bare_command_is_found_in_the_servers_path_not_the_daemons(
     assert err.value.strerror == "No such file or directory"
 
 
+async def test_a_command_on_path_without_the_right_to_run_it_is_permission_denied(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "gw-not-runnable").write_text("#!/bin/sh\n")  # no x bit
+    env = {**os.environ, "PATH": str(tmp_path)}
+    with pytest.raises(PermissionError) as err:
+        childmod.start(["gw-not-runnable"], env, "L-6")
+    assert err.value.strerror == "Permission denied"
+
+
+async def test_signals_the_daemon_ignores_are_the_default_again_in_the_server() -> None:
+    # Python ignores SIGPIPE; the daemon ignores SIGXFSZ too (serve.py). The server's tools
+    # must die of them as usual: `producer | head` ends quietly.
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        assert signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN
+        code, out, _ = await run(["/bin/sh", "-c", "grep SigIgn /proc/self/status"], {})
+    finally:
+        signal.signal(signal.SIGXFSZ, previous)
+    ignored = int(out.split()[1], 16)
+    assert code == 0
+    assert not ignored & (1 << (signal.SIGPIPE - 1)), out
+    assert not ignored & (1 << (signal.SIGXFSZ - 1)), out
+
+
 async def test_exit_codes_and_signals_are_read_from_the_process() -> None:
     code, _, err = await run([PY, "-c", "import sys; sys.stderr.write('bye'); sys.exit(3)"], {})
     assert (code, err) == (3, b"bye")

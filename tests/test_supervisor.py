@@ -324,6 +324,30 @@ async def test_each_reason_is_recognised_from_real_output(
         assert sup.machine.last_exit is not None and sup.machine.last_exit["reason"] == reason
 
 
+async def test_a_server_that_exits_within_its_first_slice_is_launched_then_ended(
+    tmp_path: Path, fake_gpu: Path
+) -> None:
+    # A shell starts, prints and exits in about a millisecond: before the launch's first
+    # slice of CPU (10 ms) is over, so its exit is known before the machine hears of it.
+    line = "ValueError: Unknown speculative algorithm name: MEDUSA"
+    cfg = {"command": ["/bin/sh", "-c", f"echo '{line}' >&2; exit 3"], "preflight": {"argv": False}}
+    async with running(
+        tmp_path, fake_gpu, {"quick": cfg}, settings={"restart": {"initial_delay_s": 60}}
+    ) as sup:
+        await sup.start("quick")
+        ex = await wait_event(sup, "exit")
+        await sup.wait_for_state(S.BACKOFF)
+        assert (ex["code"], ex["reason"]) == (3, "crash"), ex
+        # The machine heard of the process, then of its exit: it was starting, then stopping.
+        transitions = [(e["from"], e["to"]) for e in events(sup, "state")]
+        assert ("waiting_gpu", "starting") in transitions, transitions
+        assert ("starting", "stopping") in transitions, transitions
+        launch = events(sup, "launch")[0]
+        assert launch["seq"] < ex["seq"]
+        log = await asyncio.to_thread(Path(launch["log_file"]).read_text)
+        assert line in log
+
+
 async def test_port_in_use_is_recognised(tmp_path: Path, fake_gpu: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
