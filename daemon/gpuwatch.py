@@ -83,10 +83,16 @@ class GpuWatch(Tasks):
             self.post(OrphansKilled(killed))
         return killed
 
+    @property
+    def gpus_answer_at_once(self) -> bool:
+        """The backend's calls return at once (not NVML's, which can block on a wedged driver
+        and so go to a thread)."""
+        return not getattr(self.gpu, "blocking", True)
+
     def gpu_snapshot_now(self) -> GpuSnapshot | None:
-        """A snapshot from a backend that answers at once; None for one that may block (NVML:
-        its calls go to a thread) or that failed (the task's path then tries, and reports)."""
-        if getattr(self.gpu, "blocking", True):
+        """A snapshot from a backend that answers at once; None for one that may block or that
+        failed (the task's path then tries, and reports)."""
+        if not self.gpus_answer_at_once:
             return None
         try:
             return self.gpu.snapshot()
@@ -94,10 +100,9 @@ class GpuWatch(Tasks):
             return None
 
     async def gpu_snapshot(self) -> GpuSnapshot:
-        """NVML calls can block (a wedged driver): off the loop. The others are cheap."""
-        if getattr(self.gpu, "blocking", True):
-            return await asyncio.to_thread(self.gpu.snapshot)
-        return self.gpu.snapshot()
+        if self.gpus_answer_at_once:
+            return self.gpu.snapshot()
+        return await asyncio.to_thread(self.gpu.snapshot)
 
     def refresh_gpus(self) -> None:
         self.task(self._refresh_gpus())

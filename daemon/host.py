@@ -47,6 +47,7 @@ from .messages import (
     SpawnFailed,
     StateSaved,
     SweepDone,
+    TaskFailed,
     WriteHealth,
 )
 from .settings import Settings
@@ -397,8 +398,18 @@ class Host(GpuWatch):
         asyncio.get_running_loop().call_soon(self._sweep, launch)
 
     def _sweep(self, launch: Launch) -> None:
-        if not self._swept_at_once(launch):
-            self.task(self._after_exit(launch), gen=launch.gen, deadline_s=self.sweep_deadline_s)
+        # A callback's failure would reach only the loop's exception handler, while the machine
+        # waits in stopping for the sweep: it hears of it as of the task's own failure.
+        coro = None
+        try:
+            if not self._swept_at_once(launch):
+                coro = self._after_exit(launch)
+                self.task(coro, gen=launch.gen, deadline_s=self.sweep_deadline_s)
+        except Exception as exc:
+            if coro is not None:
+                coro.close()
+            log.exception("supervisor.task_failed", task="after_exit")
+            self.post(TaskFailed("after_exit", launch.gen, f"{type(exc).__name__}: {exc}"))
 
     def _swept_at_once(self, launch: Launch) -> bool:
         """The usual end of a server, known without a wait: its output is all in and nothing of
@@ -417,8 +428,7 @@ class Host(GpuWatch):
         try:
             if not childmod.nothing_left(child.pgid):
                 return False
-            cheap = not getattr(self.gpu, "blocking", True)
-            if cheap and any(g.processes for g in self.gpu.snapshot().gpus):
+            if self.gpus_answer_at_once and any(g.processes for g in self.gpu.snapshot().gpus):
                 return False
         except Exception:  # the task's path tries again, and reports what fails
             return False
@@ -441,15 +451,19 @@ class Host(GpuWatch):
         self.post(SweepDone(launch.gen, report))
 
     def retry_after(self, delay_s: float, gen: int, config: str | None) -> None:
-        if delay_s <= 0 and config:
-            # No delay and a config whose files did not change (a stat of each): its outcome
-            # is known now, and posted now.
-            resolved = self.configs.unchanged(config)
-            if resolved is not None:
-                self._retry_task = None
-                self.post(BackoffElapsed(gen, resolved))
-                return
+        if delay_s <= 0 and config and self._retry_unchanged(gen, config):
+            self._retry_task = None  # no delay and nothing to read: posted now
+            return
         self._retry_task = self.task(self._retry(delay_s, gen, config), gen=gen)
+
+    def _retry_unchanged(self, gen: int, config: str) -> bool:
+        """A config whose files did not change is known by a stat of each: no thread hop on
+        the restart path. Posts the retry and says True; False when it must be read."""
+        resolved = self.configs.unchanged(config)
+        if resolved is None:
+            return False
+        self.post(BackoffElapsed(gen, resolved))
+        return True
 
     def cancel_retry(self) -> None:
         if self._retry_task is not None:
@@ -463,12 +477,9 @@ class Host(GpuWatch):
             error = "no config given, none running and no default_config set"
             self.post(BackoffElapsed(gen, None, error))
             return
-        # A config whose files did not change is known by a stat of each: no thread hop on the
-        # restart path. Reading one is off the loop: a large or hostile file must not stall it.
-        resolved = self.configs.unchanged(config)
-        if resolved is not None:
-            self.post(BackoffElapsed(gen, resolved))
+        if self._retry_unchanged(gen, config):
             return
+        # Reading one is off the loop: a large or hostile file must not stall it.
         try:
             resolved = await asyncio.to_thread(self.configs.load, config)
         except ConfigError as exc:

@@ -549,6 +549,33 @@ async def test_a_helper_task_past_its_deadline_is_stuck_supervision(
         await asyncio.wait_for(task, 10)
 
 
+async def test_a_sweep_that_cannot_begin_is_an_internal_error_and_supervision_goes_on(
+    tmp_path: Path, fake_gpu: Path
+) -> None:
+    """The sweep begins in a loop callback, where a failure would reach only asyncio's exception
+    handler and leave the machine in stopping for ever: it is the sweep's failure, recorded,
+    and the exit is handled without it."""
+    async with running(tmp_path, fake_gpu, {"f": standin_config()}) as sup:
+        await sup.start("f")
+        await sup.wait_for_state(S.READY, timeout=20)
+        host_task = sup.host.task
+
+        def refuse_the_sweep(coro: Any, **kw: Any) -> Any:
+            if getattr(coro, "__qualname__", "").endswith("_after_exit"):
+                raise RuntimeError("no task can be made")
+            return host_task(coro, **kw)
+
+        sup.host.task = refuse_the_sweep  # type: ignore[method-assign]
+        launch = sup.machine.launch
+        assert launch is not None and launch.child is not None
+        launch.child.kill_group()
+        failed = await wait_event(sup, "internal_error", task="after_exit")
+        assert "no task can be made" in failed["error"]
+        assert (await wait_event(sup, "exit", launch_id=launch.launch_id))["reason"] == "signal"
+        await sup.wait_for_state(S.READY, timeout=20)
+        assert sup.machine.launch is not None and sup.machine.launch.gen > launch.gen
+
+
 async def _until(predicate: Any) -> None:
     while not predicate():  # noqa: ASYNC110 - a deadline passing is no event to await
         await asyncio.sleep(0.05)
