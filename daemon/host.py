@@ -246,7 +246,21 @@ class Host(GpuWatch):
             )
         except Exception as exc:  # OSError from exec; anything else must not strand it
             child = exc
-        self.task(self._spawn(launch, header, child), gen=launch.gen)
+        task = self.task(self._spawn(launch, header, child), gen=launch.gen)
+        task.add_done_callback(lambda t: self._spawn_ended(t, launch.gen, child))
+
+    def _spawn_ended(
+        self, task: asyncio.Task[Any], gen: int, child: childmod.ChildProcess | Exception
+    ) -> None:
+        """The machine waits for the spawn's outcome. A spawn task cancelled gave none (it is
+        cancelled before it posts or not at all), and one cancelled before its first step never
+        ran its `finally` either: its server is ended here, and the machine is told."""
+        if not task.cancelled():
+            return
+        if self._early.pop(gen, None) is not None and isinstance(child, childmod.ChildProcess):
+            child.kill_group()
+            child.close()
+        self.post(TaskFailed("spawn", gen, "cancelled before the server was watched"))
 
     async def _spawn(
         self, launch: Launch, header: list[str], child: childmod.ChildProcess | Exception

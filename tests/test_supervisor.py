@@ -576,6 +576,33 @@ async def test_a_sweep_that_cannot_begin_is_an_internal_error_and_supervision_go
         assert sup.machine.launch is not None and sup.machine.launch.gen > launch.gen
 
 
+async def test_a_spawn_cancelled_before_it_began_ends_its_server_and_is_an_internal_error(
+    tmp_path: Path, fake_gpu: Path
+) -> None:
+    """The server is executed before its task first runs; a task cancelled before that never
+    runs its `finally`. The server must not run on unseen, nor the machine wait for a spawn's
+    outcome that will not come."""
+    async with running(tmp_path, fake_gpu, {"f": standin_config()}) as sup:
+        host_task = sup.host.task
+        cancelled: list[Any] = []  # the launch whose spawn is cancelled
+
+        def cancel_the_first_spawn(coro: Any, **kw: Any) -> Any:
+            task = host_task(coro, **kw)
+            if getattr(coro, "__qualname__", "").endswith("_spawn") and not cancelled:
+                cancelled.append(sup.machine.launch)
+                task.cancel()  # before its first step: the loop has not run it
+            return task
+
+        sup.host.task = cancel_the_first_spawn  # type: ignore[method-assign]
+        await sup.start("f")
+        failed = await wait_event(sup, "internal_error", task="spawn")
+        assert "cancelled" in failed["error"]
+        # SIGKILLed: gone once the kernel has run it to its end
+        await asyncio.wait_for(_until(lambda: launch_processes(cancelled[0].launch_id) == []), 10)
+        await sup.wait_for_state(S.READY, timeout=20)
+        assert sup.machine.launch is not None and sup.machine.launch.gen > cancelled[0].gen
+
+
 async def _until(predicate: Any) -> None:
     while not predicate():  # noqa: ASYNC110 - a deadline passing is no event to await
         await asyncio.sleep(0.05)
