@@ -257,6 +257,8 @@ class Host(GpuWatch):
         ran its `finally` either: its server is ended here, and the machine is told."""
         if not task.cancelled():
             return
+        # Its `_early` entry is still there only if the body's `finally` (which ends the
+        # server it had not handed on) never ran.
         if self._early.pop(gen, None) is not None and isinstance(child, childmod.ChildProcess):
             child.kill_group()
             child.close()
@@ -422,8 +424,7 @@ class Host(GpuWatch):
         except Exception as exc:
             if coro is not None:
                 coro.close()
-            log.exception("supervisor.task_failed", task="after_exit")
-            self.post(TaskFailed("after_exit", launch.gen, f"{type(exc).__name__}: {exc}"))
+            self.report_failure("after_exit", launch.gen, exc)
 
     def _swept_at_once(self, launch: Launch) -> bool:
         """The usual end of a server, known without a wait: its output is all in and nothing of

@@ -57,11 +57,14 @@ class Tasks:
     def _task_done(self, task: asyncio.Task[Any], gen: int) -> None:
         self._tasks.discard(task)
         self._deadlines.pop(task, None)
-        if task.cancelled() or task.exception() is None:
-            return
-        exc = task.exception()
-        log.error("supervisor.task_failed", task=task.get_name(), exc_info=exc)
-        self.post(TaskFailed(task.get_name(), gen, f"{type(exc).__name__}: {exc}"))
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            self.report_failure(task.get_name(), gen, exc)
+
+    def report_failure(self, name: str, gen: int, exc: BaseException) -> None:
+        """A helper's failure, logged and posted to the machine, which recovers from it."""
+        log.error("supervisor.task_failed", task=name, exc_info=exc)
+        self.post(TaskFailed(name, gen, f"{type(exc).__name__}: {exc}"))
 
     def end_tasks(self, launch: Launch) -> None:
         for task in self._scoped.pop(launch.gen, set()):
