@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from gpuwarden.daemon import views
-from gpuwarden.daemon.child import LAUNCH_ENV
+from gpuwarden.daemon.child import TOKEN_ENV
 from gpuwarden.daemon.gpu import FakeGpuBackend
 from gpuwarden.daemon.health import ProbeResult
 from gpuwarden.daemon.launchlog import RING_BYTES, RING_LINES
@@ -377,14 +377,28 @@ async def test_external_sigkill_is_a_signal_exit(tmp_path: Path, fake_gpu: Path)
         assert ex["signal"] == 9
 
 
-def launch_processes(launch_id: str) -> list[int]:
-    """Live processes (not zombies) that carry `launch_id` in their environment."""
+def launch_processes(launch: Any) -> list[int]:
+    """Live processes (not zombies) of `launch`, by its token: launch ids are unique per daemon
+    only, and another suite's daemon may be running a launch of the same id."""
     found = []
     for proc in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
-            if proc.environ().get(LAUNCH_ENV) == launch_id:
+            if proc.environ().get(TOKEN_ENV) == launch.token:
                 found.append(proc.pid)
     return found
+
+
+def spawned(sup: Supervisor) -> list[Any]:
+    """The launches `sup` executes from now on, each as its spawn begins."""
+    launches: list[Any] = []
+    spawn = sup.host.spawn
+
+    def recording(launch: Any, header: list[str]) -> None:
+        launches.append(launch)
+        spawn(launch, header)
+
+    sup.host.spawn = recording  # type: ignore[method-assign]
+    return launches
 
 
 async def test_log_dir_through_a_regular_file_is_log_unwritable(
@@ -397,6 +411,7 @@ async def test_log_dir_through_a_regular_file_is_log_unwritable(
         {"c": standin_config()},
         settings={"log_dir": str(tmp_path / "notadir" / "logs")},
     ) as sup:
+        launches = spawned(sup)
         await sup.start("c")
         ex = await wait_event(sup, "exit")
         assert ex["reason"] == "log_unwritable"
@@ -404,7 +419,8 @@ async def test_log_dir_through_a_regular_file_is_log_unwritable(
         assert sup.machine.state in (S.BACKOFF, S.WAITING_GPU, S.FAILED)
         assert not events(sup, "launch")  # nothing was launched without a log
         # The server was killed at its exec, before it did anything, and reaped.
-        assert not launch_processes(ex["launch_id"])
+        (launch,) = [la for la in launches if la.launch_id == ex["launch_id"]]
+        assert not launch_processes(launch)
 
 
 async def test_foreign_gpu_holder_is_gpu_busy_naming_it(
@@ -598,7 +614,7 @@ async def test_a_spawn_cancelled_before_it_began_ends_its_server_and_is_an_inter
         failed = await wait_event(sup, "internal_error", task="spawn")
         assert "cancelled" in failed["error"]
         # SIGKILLed: gone once the kernel has run it to its end
-        await asyncio.wait_for(_until(lambda: launch_processes(cancelled[0].launch_id) == []), 10)
+        await asyncio.wait_for(_until(lambda: launch_processes(cancelled[0]) == []), 10)
         await sup.wait_for_state(S.READY, timeout=20)
         assert sup.machine.launch is not None and sup.machine.launch.gen > cancelled[0].gen
 
