@@ -21,11 +21,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuwarden.standin.argspec import KIND_HELP, OptionSpec, parse_help, split_command
+from gpuwarden.standin.argspec import (
+    KIND_HELP,
+    OptionSpec,
+    ServerCli,
+    parse_help,
+    split_command,
+)
 
 from .configs import ResolvedConfig
 
 INTROSPECT_TIMEOUT_S = 120.0
+# Server interpreters run at once to learn options. Each SGLang one imports torch (about half a
+# GiB): twelve preflights at once built twelve parsers (5.8 GiB); now they queue here.
+MAX_INTROSPECTIONS = 2
 
 # Each known server: how its interpreter builds the parser. The script prints one JSON object.
 _DUMP_ACTIONS = r"""
@@ -93,13 +102,30 @@ class ParserSpec:
     exact: bool
 
 
-class ServerParsers:
-    """Builds (and caches) server parsers."""
+@dataclass
+class _Flight:
+    """One parser being learned, and how many callers wait for it."""
 
-    def __init__(self) -> None:
+    task: asyncio.Task[tuple[ParserSpec | None, list[str]]]
+    waiters: int = 0
+
+
+class ServerParsers:
+    """Builds (and caches) server parsers: callers asking for the same server at once share one
+    build, and at most `max_running` introspections run at a time (the rest wait their turn)."""
+
+    def __init__(self, max_running: int = MAX_INTROSPECTIONS) -> None:
         self._cache: dict[tuple[Any, ...], ParserSpec] = {}
+        self._flights: dict[tuple[Any, ...], _Flight] = {}
+        self._turns = asyncio.Semaphore(max_running)
 
     async def _run(
+        self, argv: list[str], timeout_s: float, env: dict[str, str]
+    ) -> tuple[int, str, str]:
+        async with self._turns:
+            return await self._run_now(argv, timeout_s, env)
+
+    async def _run_now(
         self, argv: list[str], timeout_s: float, env: dict[str, str]
     ) -> tuple[int, str, str]:
         proc = await asyncio.create_subprocess_exec(
@@ -130,9 +156,39 @@ class ServerParsers:
         await proc.wait()
 
     async def parser_for(self, cfg: ResolvedConfig) -> tuple[ParserSpec | None, list[str]]:
-        """The server's options, and warnings about how they were obtained."""
+        """The server's options, and warnings about how they were obtained.
+
+        Callers that ask while the same server's options are being learned wait for that one
+        build. A caller cancelled (a stop, the shutdown) stops waiting; the build is cancelled,
+        its process group killed, once nobody waits for it."""
         cli = split_command(cfg.argv)
         env = cfg.process_env(os.environ)
+        key = (tuple(cli.program), _version_flags(cli.args), frozenset(env.items()))
+        flight = self._flights.get(key)
+        if flight is None:
+            flight = _Flight(asyncio.ensure_future(self._learn(cli, env)))
+            self._flights[key] = flight
+            flight.task.add_done_callback(lambda _: self._landed(key, flight))
+        flight.waiters += 1
+        try:
+            spec, warnings = await asyncio.shield(flight.task)
+        except asyncio.CancelledError:
+            flight.waiters -= 1
+            if flight.waiters == 0 and not flight.task.done():
+                self._landed(key, flight)  # a caller from now on starts afresh
+                flight.task.cancel()
+                await asyncio.wait([flight.task])  # its process is gone before we go on
+            raise
+        flight.waiters -= 1
+        return spec, list(warnings)
+
+    def _landed(self, key: tuple[Any, ...], flight: _Flight) -> None:
+        if self._flights.get(key) is flight:
+            del self._flights[key]
+
+    async def _learn(
+        self, cli: ServerCli, env: dict[str, str]
+    ) -> tuple[ParserSpec | None, list[str]]:
         warnings: list[str] = []
         interpreter = cli.interpreter
         if interpreter is None and cli.module == "sglang.launch_server":

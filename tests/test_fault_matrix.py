@@ -5,7 +5,7 @@ Rows: every stand-in fault; an exit-2 config error; the port in use; a foreign G
 log dir not writable; a full disk (a file-size limit); a corrupt state file at start; the daemon
 SIGKILLed, then started again; concurrent swaps and a stop; a webhook that hangs or fails; a
 sweep through a crashing and a refused config; a flood and a crash with /logs/stream clients
-that read nothing."""
+that read nothing; twelve preflights at once (one parser build, two introspections at a time)."""
 
 from __future__ import annotations
 
@@ -871,3 +871,46 @@ def test_a_port_taken_while_the_server_loads_is_port_in_use_and_never_ready(
     assert "not by this launch" in ex["evidence"]
     assert not [r for r in d.records() if r.get("event") == "server.state" and r["to"] == "ready"]
     assert d.status()["state"] == "backoff"
+
+
+def counted_python(folder: Path) -> tuple[Path, Path]:
+    """A Python interpreter that notes each run's start and end in a log ('start build PID',
+    'end probe PID'); a parser build takes half a second more, as SGLang's imports do."""
+    log = folder / "runs.log"
+    wrapper = folder / "python3-counted"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'case "$2" in *_dump*) kind=build; sleep 0.5;; *) kind=probe;; esac\n'
+        f'echo "start $kind $$" >> {log}\n'
+        f'{PY} "$@"\n'
+        "rc=$?\n"
+        f'echo "end $kind $$" >> {log}\n'
+        "exit $rc\n"
+    )
+    wrapper.chmod(0o755)
+    return wrapper, log
+
+
+def test_concurrent_preflights_share_one_parser_build(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """Twelve preflights at once each built the server's parser (5.8 GiB for SGLang's): now
+    they share one build, and introspections run at most two at a time."""
+    wrapper, runs = counted_python(tmp_path)
+    cfg = standin_config(command=[str(wrapper), "-m", "gpuwarden.standin"])
+    d = start_daemon(procs, tmp_path, fake_gpu, {"counted": cfg})
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(
+            pool.map(lambda _: d.http.post("/configs/counted/check", timeout=120), range(12))
+        )
+    assert [a.status_code for a in answers] == [200] * 12, [a.text for a in answers]
+    assert all(a.json()["method"] == "parser" for a in answers)
+    running, most, builds = 0, 0, 0
+    for line in runs.read_text().splitlines():
+        what, kind, _ = line.split()
+        running += 1 if what == "start" else -1
+        most = max(most, running)
+        builds += what == "start" and kind == "build"
+    assert builds == 1, runs.read_text()
+    assert most <= 2, runs  # serverparser.MAX_INTROSPECTIONS.read_text()
+    assert d.http.get("/healthz").status_code == 200
