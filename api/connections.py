@@ -14,6 +14,14 @@ connection has one timer for the phase it is in:
 
 While the app has the request (a stream, a `restart?wait=true`) nothing is timed: the client
 is waiting on us, not the other way round.
+
+At `max_connections`, a new connection takes the place of the oldest one that is waiting on its
+client (idle between requests, or not yet done sending its request's headers), as nginx reuses
+its idle connections: about 300 idle sockets from any local process otherwise held every slot,
+and `/healthz`, `/readyz` and `gpuwarden stop` got 503 until the flood stopped. A connection
+whose request the app holds is never the one evicted; only when every connection is such a one
+does the newcomer get 503. A newcomer sends its request at once, so a flood has to open the cap's
+worth of connections after it, before its headers are in, to push it out.
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ SLOW = canned(408, "Request Timeout", "timeout", "the request's headers came too
 class GuardedH11Protocol(H11Protocol):
     limits: ClassVar[HttpLimits]  # bound by guarded_h11()
     repeats: ClassVar[Repeats]
+    # The connections waiting on their client, oldest first (one registry per server).
+    waiting: ClassVar[dict[GuardedH11Protocol, None]]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -59,7 +69,7 @@ class GuardedH11Protocol(H11Protocol):
         self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= self.limits.max_connections:
+        if len(self.connections) >= self.limits.max_connections and not self._evict_oldest():
             # Refused before any parsing or task: the cap holds under a flood.
             self._refused = True
             self.transport = transport
@@ -101,13 +111,29 @@ class GuardedH11Protocol(H11Protocol):
         else:
             self._set_phase(None)
 
+    def _evict_oldest(self) -> bool:
+        """Close the connection that has waited longest on its client, to make room."""
+        if not self.waiting:
+            return False
+        victim = next(iter(self.waiting))
+        phase = victim._phase
+        victim._set_phase(None)  # out of the registry: the next newcomer picks another
+        if phase == "headers":  # it may be a client about to send: tell it why
+            victim.transport.write(BUSY)
+        victim.transport.close()
+        victim._note("api.connection_evicted", phase=phase)
+        return True
+
     def _set_phase(self, phase: str | None) -> None:
         if phase == self._phase:
             return
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self.waiting.pop(self, None)
         self._phase = phase
+        if phase in ("headers", "idle"):
+            self.waiting[self] = None
         if phase is not None:
             limit = {
                 "headers": self.limits.header_timeout_s,
@@ -118,6 +144,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _expired(self, phase: str) -> None:
         self._timer = None
+        self.waiting.pop(self, None)  # closing: no longer one to evict
         if self.transport.is_closing():
             return
         if phase == "headers":
@@ -137,5 +164,5 @@ def _addr(client: tuple[str, int] | None) -> str | None:
 
 def guarded_h11(limits: HttpLimits, repeats: Repeats) -> type[H11Protocol]:
     """The protocol class for uvicorn.Config(http=...), bound to these limits."""
-    fields = {"limits": limits, "repeats": repeats}
+    fields = {"limits": limits, "repeats": repeats, "waiting": {}}
     return cast(type[H11Protocol], type("GuardedH11Protocol", (GuardedH11Protocol,), fields))

@@ -5,7 +5,8 @@ Rows: every stand-in fault; an exit-2 config error; the port in use; a foreign G
 log dir not writable; a full disk (a file-size limit); a corrupt state file at start; the daemon
 SIGKILLed, then started again; concurrent swaps and a stop; a webhook that hangs or fails; a
 sweep through a crashing and a refused config; a flood and a crash with /logs/stream clients
-that read nothing; twelve preflights at once (one parser build, two introspections at a time)."""
+that read nothing; twelve preflights at once (one parser build, two introspections at a time);
+300 idle sockets at the connection cap (probes and a stop still answered)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import resource
 import select
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -914,3 +916,49 @@ def test_concurrent_preflights_share_one_parser_build(
     assert builds == 1, runs.read_text()
     assert most <= 2, runs  # serverparser.MAX_INTROSPECTIONS.read_text()
     assert d.http.get("/healthz").status_code == 200
+
+
+def test_idle_sockets_at_the_cap_lock_out_neither_probes_nor_a_stop(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """About 300 idle sockets from any local process held every connection slot: /healthz and
+    /readyz answered 503 and `gpuwarden stop` failed. Waiting connections now make room."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1024:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    token_file = with_token(tmp_path)
+    d = start_daemon(
+        procs, tmp_path, fake_gpu, {"s": standin_config()}, default="s", token_file=token_file
+    )
+    d.http.headers["Authorization"] = f"Bearer {TOKEN}"
+    d.wait_state("ready")
+    with contextlib.ExitStack() as held:
+        idle = [held.enter_context(connect(d)) for _ in range(300)]  # the cap is 256
+        health = httpx.get(f"{d.url}/healthz", timeout=30)
+        assert health.status_code == 200, health.text
+        ready = httpx.get(f"{d.url}/readyz", timeout=30)
+        assert ready.status_code == 200, ready.text
+        stop = subprocess.run(
+            [
+                PY,
+                "-m",
+                "gpuwarden.api.cli",
+                "--url",
+                d.url,
+                "--token-file",
+                str(tmp_path / "token"),
+                "stop",
+            ],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert stop.returncode == 0, stop.stderr
+        d.wait_state("stopped")
+        ready = httpx.get(f"{d.url}/readyz", timeout=30)
+        assert ready.status_code == 503 and ready.json()["error"] == "not_ready", ready.text
+        # Bounded still: the oldest idle sockets were closed to make room.
+        readable = select.select(idle, [], [], 5)[0]
+        assert len(readable) >= 300 - 256, len(readable)
+        assert idle[0] in readable

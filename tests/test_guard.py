@@ -435,11 +435,13 @@ def test_streams_and_long_waits_outlive_every_timeout(
 def test_connections_beyond_the_cap_are_refused_at_once(
     procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
+    """With every connection's request held by the app (streams), there is none to evict: a
+    newcomer gets 503 before it sends a thing."""
     d = start_daemon(procs, tmp_path, fake_gpu, {}, http={"max_connections": 4, "keep_alive_s": 60})
     with contextlib.ExitStack() as held:
-        for _ in range(4):  # each served once, then held open (keep-alive)
+        for _ in range(4):  # each a /logs/stream the app is answering
             sock = held.enter_context(connect(d))
-            sock.sendall(request_head("GET", "/healthz", d))
+            sock.sendall(request_head("GET", "/logs/stream", d))
             assert read_response(sock)[0] == 200
         with connect(d) as extra:
             status, headers, body = read_response(extra)  # before it sent a thing
@@ -449,3 +451,30 @@ def test_connections_beyond_the_cap_are_refused_at_once(
         d.wait_event("api.connection_refused", max_connections=4)
     # The held ones are closed: room again.
     wait_until(lambda: served_once(d), 10, "a connection to be served again")
+
+
+def test_at_the_cap_the_oldest_waiting_connection_makes_room(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """Idle connections (served and kept alive, or silent since they connected) give way to a
+    newcomer, the oldest first; one whose request the app holds never does."""
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, http={"max_connections": 4, "keep_alive_s": 60})
+    with contextlib.ExitStack() as held:
+        stream = held.enter_context(connect(d))
+        stream.sendall(request_head("GET", "/logs/stream", d))
+        assert read_response(stream)[0] == 200
+        kept = held.enter_context(connect(d))  # served once, then idle (keep-alive)
+        kept.sendall(request_head("GET", "/healthz", d))
+        assert read_response(kept)[0] == 200
+        silent = [held.enter_context(connect(d)) for _ in range(2)]  # never say a thing
+        # The cap is reached: each newcomer is served, and the oldest waiting one is closed.
+        assert served_once(d)
+        assert closed_by_server(kept) == b""  # idle: closed as a keep-alive expiry would
+        silent.append(held.enter_context(connect(d)))  # the cap again
+        assert served_once(d)
+        status, _, body = read_response(silent[0])  # it had the turn: told why
+        assert status == 503 and error_of(body) == "busy"
+        d.wait_event("api.connection_evicted", phase="idle")  # (the next within a minute: counted)
+        stream.settimeout(0.5)  # the stream is still open and still the daemon's to answer
+        with contextlib.suppress(TimeoutError):
+            assert stream.recv(65536) != b""
