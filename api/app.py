@@ -41,6 +41,7 @@ HTTP_STATUS = {
     refusals.CONFLICT: 409,
     refusals.INVALID_CONFIG: 422,
     refusals.PREFLIGHT_REFUSED: 422,
+    refusals.UNREADABLE: 500,
 }
 
 

@@ -45,6 +45,7 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
         409: "a conflicting operation is under way",
         413: "the request body is too large",
         422: "invalid config or request",
+        500: "a file the daemon keeps cannot be read (not a regular file, or too large)",
         503: "not ready",
     }
     # The explicit JSON content: on a text route FastAPI would declare the model as text/plain.

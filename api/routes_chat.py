@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 from gpuwarden.api import slacksign
 from gpuwarden.api.auth import token_matches
 from gpuwarden.api.deps import SettingsDep, SupervisorDep
+from gpuwarden.api.files import read_file
 from gpuwarden.api.models import DumpName, errors
 from gpuwarden.daemon.chat import (
     HELP,
@@ -134,7 +135,7 @@ async def chat(
             if slack
             else ChatReply(text=reply).model_dump()
         )
-    dump = build_dump(supervisor, why=f"chat: {text[:80]!r}")
+    dump = await build_dump(supervisor, why=f"chat: {text[:80]!r}")
     saved = await asyncio.to_thread(save_dump, settings.state_dir, dump, settings.retention.dumps)
     body = chat_text(dump, saved)
     if slack:
@@ -149,7 +150,7 @@ async def chat(
 )
 async def dump(request: Request, supervisor: SupervisorDep) -> Response:
     """Computed, never saved: only a chat trigger or a crash's notice saves a dump."""
-    d = build_dump(supervisor)
+    d = await build_dump(supervisor)
     if "application/json" in request.headers.get("accept", ""):
         return JSONResponse(d.data)
     return PlainTextResponse(d.text + "\n")
@@ -158,18 +159,19 @@ async def dump(request: Request, supervisor: SupervisorDep) -> Response:
 @router.get("/dumps", summary="Saved dumps, newest last", responses=errors(401))
 async def dumps(settings: SettingsDep) -> DumpList:
     folder = settings.state_dir / "dumps"
-    names = sorted(p.stem for p in folder.glob("*.txt")) if folder.exists() else []
-    return DumpList(dumps=names)
+
+    def names() -> list[str]:
+        return sorted(p.stem for p in folder.glob("*.txt")) if folder.exists() else []
+
+    return DumpList(dumps=await asyncio.to_thread(names))
 
 
 @router.get(
     "/dumps/{name}",
     summary="One saved dump",
     response_class=PlainTextResponse,
-    responses={**errors(400, 401, 404), 200: {"content": {"text/plain": {}}}},
+    responses={**errors(400, 401, 404, 500), 200: {"content": {"text/plain": {}}}},
 )
 async def saved_dump(name: DumpName, settings: SettingsDep) -> PlainTextResponse:
-    path = settings.state_dir / "dumps" / f"{name}.txt"
-    if not path.exists():
-        raise HTTPException(404, f"no dump {name!r}")
-    return PlainTextResponse(path.read_text())
+    data = await read_file(settings.state_dir / "dumps" / f"{name}.txt", f"no dump {name!r}")
+    return PlainTextResponse(data.decode("utf-8", errors="replace"))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
+from gpuwarden.api.files import read_file
 from gpuwarden.api.models import ConfigItem, SweepId, errors
 from gpuwarden.daemon.errors import CommandError
 from gpuwarden.daemon.load import LoadSpec
@@ -49,14 +51,25 @@ class SweepList(BaseModel):
     sweeps: list[SweepSummary]
 
 
-def _manager(request: Request) -> SweepManager:
+async def _manager(request: Request) -> SweepManager:
+    """The sweeps, with those of earlier lives read back (once, on a thread: the first
+    `GET /sweeps` read every record on the loop; requests that come meanwhile share that read)."""
     manager: SweepManager = request.app.state.sweeps
+    reading: asyncio.Future[Any] | None = getattr(request.app.state, "sweeps_read", None)
+    if reading is None or (reading.done() and (reading.cancelled() or reading.exception())):
+        reading = asyncio.ensure_future(asyncio.to_thread(lambda: manager.sweeps))
+        request.app.state.sweeps_read = reading
+    await asyncio.shield(reading)
     return manager
 
 
-def _get(request: Request, sweep_id: str) -> Sweep:
-    sweep = _manager(request).sweeps.get(sweep_id)
+async def _get(request: Request, sweep_id: str) -> Sweep:
+    manager = await _manager(request)
+    sweep = manager.sweeps.get(sweep_id)
     if sweep is None:
+        record = manager.root / sweep_id / "result.json"
+        # A record that is there but was skipped: say why rather than "unknown".
+        await read_file(record, f"unknown sweep {sweep_id!r}")
         raise CommandError("not_found", f"unknown sweep {sweep_id!r}")
     return sweep
 
@@ -77,7 +90,7 @@ async def start_sweep(request: Request, body: SweepBody) -> dict[str, Any]:
         backend=body.backend,
         input_len=body.input_len,
     )
-    sweep = _manager(request).start(body.configs, body.baseline, body.end_on, load)
+    sweep = (await _manager(request)).start(body.configs, body.baseline, body.end_on, load)
     return sweep.view()
 
 
@@ -87,14 +100,16 @@ async def start_sweep(request: Request, body: SweepBody) -> dict[str, Any]:
     responses=errors(401),
 )
 async def list_sweeps(request: Request) -> SweepList:
-    return SweepList.model_validate({"sweeps": _manager(request).listing()})
+    return SweepList.model_validate({"sweeps": (await _manager(request)).listing()})
 
 
 @router.get(
-    "/sweeps/{sweep_id}", summary="A sweep's progress and results", responses=errors(400, 401, 404)
+    "/sweeps/{sweep_id}",
+    summary="A sweep's progress and results",
+    responses=errors(400, 401, 404, 500),
 )
 async def get_sweep(request: Request, sweep_id: SweepId) -> dict[str, Any]:
-    return _get(request, sweep_id).view()
+    return (await _get(request, sweep_id)).view()
 
 
 @router.delete(
@@ -103,45 +118,48 @@ async def get_sweep(request: Request, sweep_id: SweepId) -> dict[str, Any]:
     responses=errors(400, 401, 404),
 )
 async def cancel_sweep(request: Request, sweep_id: SweepId) -> dict[str, Any]:
-    return (await _manager(request).cancel(sweep_id)).view()
+    return (await (await _manager(request)).cancel(sweep_id)).view()
 
 
-def _file(request: Request, sweep_id: str, name: str) -> Any:
-    path = _get(request, sweep_id).folder / name
-    if not path.exists():
-        missing = charts_missing() if name == "chart.png" else None
-        if missing is not None:
-            raise CommandError("not_found", missing, {"extra": CHARTS_EXTRA})
-        raise CommandError("not_found", f"{name} is not written yet")
-    return path
+async def _file(request: Request, sweep_id: str, name: str) -> bytes:
+    path = (await _get(request, sweep_id)).folder / name
+    missing = charts_missing() if name == "chart.png" else None
+    try:
+        return await read_file(path, f"{name} is not written yet")
+    except CommandError as exc:
+        if exc.error == "not_found" and missing is not None:
+            raise CommandError("not_found", missing, {"extra": CHARTS_EXTRA}) from None
+        raise
 
 
 @router.get(
     "/sweeps/{sweep_id}/table.md",
     response_class=PlainTextResponse,
-    responses={**errors(400, 401, 404), 200: {"content": {"text/markdown": {}}}},
+    responses={**errors(400, 401, 404, 500), 200: {"content": {"text/markdown": {}}}},
 )
 async def table_md(request: Request, sweep_id: SweepId) -> PlainTextResponse:
     return PlainTextResponse(
-        _file(request, sweep_id, "table.md").read_text(), media_type="text/markdown"
+        (await _file(request, sweep_id, "table.md")).decode("utf-8", errors="replace"),
+        media_type="text/markdown",
     )
 
 
 @router.get(
     "/sweeps/{sweep_id}/table.csv",
     response_class=PlainTextResponse,
-    responses={**errors(400, 401, 404), 200: {"content": {"text/csv": {}}}},
+    responses={**errors(400, 401, 404, 500), 200: {"content": {"text/csv": {}}}},
 )
 async def table_csv(request: Request, sweep_id: SweepId) -> PlainTextResponse:
     return PlainTextResponse(
-        _file(request, sweep_id, "table.csv").read_text(), media_type="text/csv"
+        (await _file(request, sweep_id, "table.csv")).decode("utf-8", errors="replace"),
+        media_type="text/csv",
     )
 
 
 @router.get(
     "/sweeps/{sweep_id}/chart.png",
-    response_class=FileResponse,
-    responses={**errors(400, 401, 404), 200: {"content": {"image/png": {}}}},
+    response_class=Response,
+    responses={**errors(400, 401, 404, 500), 200: {"content": {"image/png": {}}}},
 )
-async def chart(request: Request, sweep_id: SweepId) -> FileResponse:
-    return FileResponse(_file(request, sweep_id, "chart.png"), media_type="image/png")
+async def chart(request: Request, sweep_id: SweepId) -> Response:
+    return Response(await _file(request, sweep_id, "chart.png"), media_type="image/png")

@@ -10,6 +10,7 @@ everywhere, log lines included.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -26,6 +27,7 @@ from .sglanglines import parse_line, strip_prefix
 
 if TYPE_CHECKING:
     from gpuwarden.daemon.supervisor import Supervisor
+    from gpuwarden.daemon.views import Snapshot
 
 TAIL_LINES = 60
 CHAT_LIMIT = 12000  # characters per chat reply (Mattermost: 16383; Slack: 3000 per block)
@@ -114,30 +116,48 @@ class Dump:
         return "\n".join(self.text.splitlines()[:lines])
 
 
-def build_dump(sup: Supervisor, why: str = "requested") -> Dump:
+async def build_dump(sup: Supervisor, why: str = "requested") -> Dump:
+    """The dump now. What lives on the event loop (the status, the ring, the events) is read
+    there; the files (an earlier launch's log, the configs compared) and the text are read and
+    made on a thread: a config that takes seconds to fail would otherwise hold the loop."""
     st = sup.status()
     snap = sup.snapshot()
+    ring = views.ring_lines(snap, TAIL_LINES)  # the ring changes under the loop: read it here
+    events = sup.events.recent(10)
+    return await asyncio.to_thread(
+        lambda: _build_dump(sup, snap, st=st, ring=ring, events=events, why=why)
+    )
+
+
+def _build_dump(
+    sup: Supervisor,
+    snap: Snapshot,
+    *,
+    st: dict[str, Any],
+    ring: list[str],
+    events: list[dict[str, Any]],
+    why: str,
+) -> Dump:
     last = st.get("last_exit")
     failed_launch = (last or {}).get("launch_id")
     record = history.find(snap.history, failed_launch)
     tail: list[str] = []
     source = None
     if snap.log is not None and snap.launch_id == failed_launch:
-        tail = views.ring_lines(snap, TAIL_LINES)
+        tail = ring
         source = str(snap.log.path)
     elif record and record.get("log_file"):
         redactor = sup.redactor_for(record.get("config"))
         tail = [redactor.text(t) for t in read_tail(Path(record["log_file"]), TAIL_LINES)]
         source = record["log_file"]
     elif snap.log is not None:
-        tail = views.ring_lines(snap, TAIL_LINES)
+        tail = ring
         source = str(snap.log.path)
     no_log = _no_log_reason(last, bool(snap.history) or snap.launch_config is not None)
     if not tail and no_log is None:
         no_log = "the log is empty"
     failed_config = (record or {}).get("config") or (st.get("rolled_back_from") or st.get("config"))
     diff = config_diff(sup, failed_config, st.get("last_good_config"))
-    events = sup.events.recent(10)
     data = {
         "why": why,
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -6,6 +6,7 @@ the reason. What a file may say, and how its ``args`` become flags: ``configsche
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
@@ -195,15 +196,25 @@ def _stamp(path: Path) -> tuple[int, int, int]:
     return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
+Stamps = tuple[tuple[Path, tuple[int, int, int]], ...]
+
+
+def _still(stamps: Stamps) -> bool:
+    """Whether no file of `stamps` changed since (a stat of each, nothing read)."""
+    return all(_stamp(p) == st for p, st in stamps)
+
+
 class ConfigStore:
-    """Reads named configs from one folder."""
+    """Reads named configs from one folder. A config is read again only when a file it was
+    read from (or looked for) changes: resolved configs and failures are both remembered."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         # name -> (stamps of every file in its extends chain, the resolved config)
-        self._cache: dict[
-            str, tuple[tuple[tuple[Path, tuple[int, int, int]], ...], ResolvedConfig]
-        ] = {}
+        self._cache: dict[str, tuple[Stamps, ResolvedConfig]] = {}
+        # name -> (stamps of every file its failed load looked at, the error): a broken config
+        # is read again only once one of them changes (a 0.9 MB one took ~4 s per request).
+        self._failed: dict[str, tuple[Stamps, ConfigError]] = {}
 
     def names(self) -> list[str]:
         try:
@@ -232,7 +243,14 @@ class ConfigStore:
                 return candidate
         raise ConfigNotFound(f"unknown config {name!r}: no {self.folder / name}.yaml")
 
-    def _read(self, name: str) -> tuple[Path, str, dict[str, Any]]:
+    def _read(
+        self, name: str, consulted: list[tuple[Path, tuple[int, int, int]]]
+    ) -> tuple[Path, str, dict[str, Any]]:
+        if NAME_RE.match(name):  # where it is looked for (stamped before it is read)
+            for suffix in (".yaml", ".yml"):
+                consulted.append(
+                    (self.folder / f"{name}{suffix}", _stamp(self.folder / f"{name}{suffix}"))
+                )
         path = self.path_of(name)
         try:
             text = read_regular_text(path, CONFIG_MAX_BYTES)
@@ -257,28 +275,43 @@ class ConfigStore:
         """The config as last resolved, if no file of its chain changed since (a stat of each,
         nothing read); None when it must be read again."""
         cached = self._cache.get(name)
-        if cached is not None and all(_stamp(p) == st for p, st in cached[0]):
+        if cached is not None and _still(cached[0]):
             return cached[1]
         return None
 
     def load(self, name: str) -> ResolvedConfig:
-        """Resolve a config; re-read only when a file of its chain changed."""
+        """Resolve a config; re-read only when a file of its chain changed. A config that
+        failed fails again, with the same error, until a file it looked at changes."""
         cached = self.unchanged(name)
         if cached is not None:
             return cached
+        failed = self._failed.get(name)
+        if failed is not None and _still(failed[0]):
+            raise copy.copy(failed[1])  # a fresh exception: no traceback piling up
+        consulted: list[tuple[Path, tuple[int, int, int]]] = []
         try:
-            resolved = self._load(name)
-        except (ConfigError, ConfigNotFound):
+            resolved = self._load(name, consulted)
+        except ConfigError as exc:
+            self._remember_failure(name, consulted, exc)
             raise
         except Exception as exc:  # whatever a hostile file provokes is still a config error
             path = self.folder / f"{name}.yaml"
-            raise ConfigError(
-                f"{path}: cannot be read ({type(exc).__name__}: {exc})", path=path
-            ) from exc
+            error = ConfigError(f"{path}: cannot be read ({type(exc).__name__}: {exc})", path=path)
+            self._remember_failure(name, consulted, error)
+            raise error from exc
+        self._failed.pop(name, None)
         self._cache[name] = (tuple((p, _stamp(p)) for p in resolved.files), resolved)
         return resolved
 
-    def _load(self, name: str) -> ResolvedConfig:
+    def _remember_failure(
+        self, name: str, consulted: list[tuple[Path, tuple[int, int, int]]], error: ConfigError
+    ) -> None:
+        if consulted:  # (a bad name looked at nothing, and costs nothing to refuse again)
+            self._failed[name] = (tuple(consulted), error)
+
+    def _load(
+        self, name: str, consulted: list[tuple[Path, tuple[int, int, int]]]
+    ) -> ResolvedConfig:
         chain: list[str] = []
         layers: list[tuple[Path, str, dict[str, Any]]] = []
         current: str | None = name
@@ -288,7 +321,7 @@ class ConfigStore:
                 raise ConfigError(f"{layers[-1][0]}: extends cycle: {cycle}", path=layers[-1][0])
             chain.append(current)
             try:
-                path, text, data = self._read(current)
+                path, text, data = self._read(current, consulted)
             except ConfigNotFound as exc:
                 if not layers:
                     raise

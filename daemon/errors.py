@@ -14,6 +14,7 @@ NOT_FOUND = "not_found"
 CONFLICT = "conflict"  # another operation is under way, or a stop was asked for after this
 INVALID_CONFIG = "invalid_config"  # the config does not load
 PREFLIGHT_REFUSED = "preflight_refused"  # it loads, but would not start here
+UNREADABLE = "unreadable"  # a file the daemon keeps is not a regular file, or is over its limit
 
 
 class CommandError(Exception):

@@ -7,20 +7,17 @@ newest launches' files within the `log_retention` limits, never removing a prote
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 from .launchlog import collapse_cr
+from .safefile import read_regular_tail
 
 
 def read_tail(path: Path, lines: int, max_bytes: int = 4 * 1024 * 1024) -> list[str]:
-    """The last `lines` lines of a log file (for launches whose ring is gone)."""
+    """The last `lines` lines of a log file (for launches whose ring is gone), from its last
+    `max_bytes`; a FIFO or a device in its place is refused, never waited on (as nothing)."""
     try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            data = f.read()
+        data = read_regular_tail(path, max_bytes)
     except OSError:
         return []
     text = data.decode("utf-8", errors="replace").splitlines()

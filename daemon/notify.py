@@ -111,7 +111,7 @@ class Webhooks:
                     log.exception("notify.failed", notice=kind)
 
     async def _send(self, client: httpx.AsyncClient, kind: str, text: str) -> None:
-        dump = build_dump(self.sup, why=kind)
+        dump = await build_dump(self.sup, why=kind)
         saved = None
         with contextlib.suppress(OSError):
             saved = await asyncio.to_thread(

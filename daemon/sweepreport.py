@@ -19,13 +19,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import logsetup
 from .load import LoadSpec
+from .safefile import read_regular
 from .store import atomic_write
 
 if TYPE_CHECKING:
     from .configs import ConfigStore
 
 CHARTS_EXTRA = "charts"
+# A sweep's record is tens of KiB (64 configs at most, a row each).
+RECORD_MAX_BYTES = 16 * 1024 * 1024
+log = logsetup.get_logger("gpuwarden.sweep")
 
 
 def charts_missing() -> str | None:
@@ -128,7 +133,8 @@ class Sweep:
 
 def read_sweeps(root: Path) -> dict[str, Sweep]:
     """Every sweep recorded under `root` (state_dir/sweeps), oldest first; a folder whose
-    record is missing or unreadable is skipped (and kept)."""
+    record is missing or unreadable (not a regular file, over RECORD_MAX_BYTES, not a record)
+    is skipped (and kept), and said in the daemon's log. Blocking: call it off the loop."""
     found: list[Sweep] = []
     try:
         folders = [p for p in root.iterdir() if p.is_dir()]
@@ -136,10 +142,16 @@ def read_sweeps(root: Path) -> dict[str, Sweep]:
         return {}
     for folder in folders:
         try:
-            data = json.loads((folder / "result.json").read_text())
+            data = json.loads(read_regular(folder / "result.json", RECORD_MAX_BYTES))
             found.append(Sweep.from_record(data, folder))
-        except (OSError, ValueError, KeyError, TypeError):
+        except FileNotFoundError:
             continue
+        except OSError as exc:
+            log.warning(
+                "sweep.record_unreadable", folder=str(folder), error=exc.strerror or str(exc)
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("sweep.record_unreadable", folder=str(folder), error=repr(exc))
     found.sort(key=lambda s: (s.started_at, s.id))
     return {s.id: s for s in found}
 

@@ -6,7 +6,9 @@ log dir not writable; a full disk (a file-size limit); a corrupt state file at s
 SIGKILLed, then started again; concurrent swaps and a stop; a webhook that hangs or fails; a
 sweep through a crashing and a refused config; a flood and a crash with /logs/stream clients
 that read nothing; twelve preflights at once (one parser build, two introspections at a time);
-300 idle sockets at the connection cap (probes and a stop still answered)."""
+300 idle sockets at the connection cap (probes and a stop still answered); a FIFO and a
+512 MiB file as a saved dump and as a sweep's record; a broken config asked for again and again;
+twenty /logs?lines=100000 at once."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import resource
 import select
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -962,3 +965,136 @@ def test_idle_sockets_at_the_cap_lock_out_neither_probes_nor_a_stop(
         readable = select.select(idle, [], [], 5)[0]
         assert len(readable) >= 300 - 256, len(readable)
         assert idle[0] in readable
+
+
+def test_hostile_files_in_the_state_dir_are_refused_off_the_loop(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """A FIFO where a saved dump or a sweep's record should be froze the daemon (an open that
+    waits for a writer, on the event loop); a 512 MiB file took it to 1.6 GB. Both are refused
+    with an error that names the file and why, the memory stays put, and the probes answer."""
+    dumps, sweeps = tmp_path / "state" / "dumps", tmp_path / "state" / "sweeps"
+    dumps.mkdir(parents=True)
+    os.mkfifo(dumps / "20260101T000000-crash.txt")
+    with (dumps / "20260101T000001-crash.txt").open("wb") as f:
+        f.truncate(512 * 1024 * 1024)  # sparse: no disk used
+    for name in ("sweep-20260101T000000", "sweep-20260101T000001"):
+        (sweeps / name).mkdir(parents=True)
+    os.mkfifo(sweeps / "sweep-20260101T000000" / "result.json")
+    with (sweeps / "sweep-20260101T000001" / "result.json").open("wb") as f:
+        f.truncate(512 * 1024 * 1024)
+    d = start_daemon(procs, tmp_path, fake_gpu, {})
+    daemon = psutil.Process(d.proc.pid)
+    rss_before = daemon.memory_info().rss
+
+    def get(path: str) -> httpx.Response:
+        res = d.http.get(path, timeout=20)  # the old daemon never answered: a timeout here
+        assert d.http.get("/healthz", timeout=20).status_code == 200
+        return res
+
+    fifo = get("/dumps/20260101T000000-crash")
+    assert fifo.status_code == 500 and fifo.json()["error"] == "unreadable", fifo.text
+    assert "20260101T000000-crash.txt: not a regular file (a FIFO)" in fifo.json()["detail"]
+    huge = get("/dumps/20260101T000001-crash")
+    assert huge.status_code == 500 and "too large" in huge.json()["detail"], huge.text
+    listing = get("/sweeps")
+    assert listing.status_code == 200 and listing.json() == {"sweeps": []}, listing.text
+    skipped = {
+        r["folder"]: r["error"] for r in d.records() if r.get("event") == "sweep.record_unreadable"
+    }
+    assert "a FIFO" in skipped[str(sweeps / "sweep-20260101T000000")], skipped
+    assert "too large" in skipped[str(sweeps / "sweep-20260101T000001")], skipped
+    one = get("/sweeps/sweep-20260101T000000")
+    assert one.status_code == 500 and "not a regular file (a FIFO)" in one.json()["detail"]
+    assert get("/dumps").json()["dumps"] == ["20260101T000000-crash", "20260101T000001-crash"]
+    # Nothing of the big files was read: far below the 512 MiB they would take.
+    assert daemon.memory_info().rss < rss_before + 128 * 1024 * 1024
+
+
+class OpenCounter:
+    """Counts the opens of one file by any process (inotify), read after each action so that
+    the kernel never merges two of them into one event."""
+
+    IN_OPEN = 0x20
+
+    def __init__(self, path: Path) -> None:
+        import ctypes  # noqa: PLC0415
+
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self.libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self.fd >= 0, ctypes.get_errno()
+        assert self.libc.inotify_add_watch(self.fd, os.fsencode(path), self.IN_OPEN) >= 0
+        self.opens = 0
+
+    def drain(self) -> int:
+        with contextlib.suppress(BlockingIOError):
+            while data := os.read(self.fd, 65536):
+                at = 0
+                while at < len(data):
+                    _, mask, _, size = struct.unpack_from("iIII", data, at)
+                    self.opens += bool(mask & self.IN_OPEN)
+                    at += 16 + size
+        return self.opens
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def test_a_broken_config_is_read_once_until_it_changes(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """A config that fails was read again by every request that named it (~4 s each for a
+    0.9 MB one); its failure is now kept until one of its files changes."""
+    d = start_daemon(procs, tmp_path, fake_gpu, {})
+    path = tmp_path / "configs" / "broken.yaml"
+    args = "".join(f"  k{i}: {'v' * 36}\n" for i in range(20_000))  # about 0.9 MB
+    path.write_text(f"args:\n{args}health: {{interval_s: soon}}\n")
+    opens = OpenCounter(path)
+    try:
+        for _ in range(5):
+            res = d.http.get("/configs/broken")
+            assert res.status_code == 422 and "health.interval_s" in res.json()["detail"]
+            opens.drain()
+        assert opens.opens == 1
+        path.write_text("args: {port: 1}\n")  # fixed: read again
+        assert d.http.get("/configs/broken").status_code == 200
+        assert opens.drain() == 2
+    finally:
+        opens.close()
+
+
+def test_big_log_answers_are_built_off_the_loop(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """Twenty `/logs?lines=100000` at once masked and encoded their lines on the event loop
+    (/healthz waited 6.9 s). The work is on threads now: the loop's thread does a small part of
+    it, and /healthz answers while those requests are in flight."""
+    d = start_daemon(procs, tmp_path, fake_gpu, {})
+    launch = "20260101T000000-000001"
+    (tmp_path / "logs" / "old").mkdir(parents=True)
+    line = "[2026-01-01 00:00:00] Decode batch, api_key=sk-0123456789 #token: 86, gen 90\n"
+    (tmp_path / "logs" / "old" / f"{launch}.log").write_text(line * 50_000)
+    daemon = psutil.Process(d.proc.pid)
+
+    def cpu() -> tuple[float, float]:
+        threads = daemon.threads()
+        loop = sum(t.user_time + t.system_time for t in threads if t.id == daemon.pid)
+        return loop, sum(t.user_time + t.system_time for t in threads)
+
+    def big(_: int) -> int:
+        res = d.http.get("/logs", params={"launch": launch, "lines": 100_000}, timeout=120)
+        assert res.status_code == 200 and len(res.json()["lines"]) == 50_000
+        assert "sk-0123456789" not in res.text
+        return res.status_code
+
+    loop_before, all_before = cpu()
+    with ThreadPoolExecutor(20) as pool:
+        answers = [pool.submit(big, i) for i in range(20)]
+        health = d.http.get("/healthz", timeout=60)
+        assert health.status_code == 200
+        assert [a.result() for a in answers] == [200] * 20
+    loop_after, all_after = cpu()
+    assert loop_after - loop_before < 0.5 * (all_after - all_before), (
+        loop_after - loop_before,
+        all_after - all_before,
+    )
