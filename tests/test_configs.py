@@ -283,3 +283,25 @@ def test_settings_from_the_environment_nest_parse_json_and_ignore_other_names(
     monkeypatch.setenv("GPUWARDEN_RESTART__JITTER", "5")
     with pytest.raises(SettingsError, match=r"restart\.jitter"):
         load_settings(path)
+
+
+def test_a_failure_is_kept_until_a_file_it_looked_at_changes(tmp_path: Path) -> None:
+    """A failed load is kept while its files stay as they were (the fault matrix counts the
+    reads); a change to any file of its chain, or a file appearing where one was looked for,
+    is read."""
+    (tmp_path / "child.yaml").write_text("extends: parent\nargs: {port: 1}\n")
+    store = ConfigStore(tmp_path)
+    with pytest.raises(ConfigNotFound):
+        store.load("missing")
+    (tmp_path / "missing.yml").write_text("args: {port: 2}\n")  # appears: found
+    assert store.load("missing").config.args["port"] == 2
+    with pytest.raises(ConfigError, match="extends: unknown config 'parent'"):
+        store.load("child")
+    (tmp_path / "parent.yaml").write_text("health: {interval_s: soon}\n")
+    with pytest.raises(ConfigError, match=r"health\.interval_s") as first:
+        store.load("child")
+    with pytest.raises(ConfigError, match=r"health\.interval_s") as again:
+        store.load("child")
+    assert again.value is not first.value  # a fresh exception each time, same error
+    (tmp_path / "parent.yaml").write_text("health: {interval_s: 2}\n")  # fixed: read again
+    assert store.load("child").config.health.interval_s == 2

@@ -109,3 +109,34 @@ def test_sglang_serve_forms_are_read_as_sglang_reads_them(tmp_path: Path) -> Non
     script.write_text("#!/bin/sh\nexec something\n")
     assert script_interpreter(str(script), None) is None
     assert script_interpreter(str(tmp_path / "missing"), None) is None
+
+
+async def test_callers_share_one_build_which_ends_with_its_last_caller(tmp_path: Path) -> None:
+    """Two preflights of one server wait for one parser build; the first cancelled leaves it
+    running for the other, and the last cancelled kills it."""
+    builds, started = tmp_path / "builds", tmp_path / "started"
+    os.mkfifo(started)
+    wrapper = tmp_path / "python3-slow"  # its parser build never ends
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'case "$2" in *_dump*) echo $$ >> {builds}; echo $$ > {started}; exec sleep 60;; esac\n'
+        f'exec {PY} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    (tmp_path / "configs").mkdir()
+    cfg = {"command": [str(wrapper), "-m", "gpuwarden.standin"], "args": {"model-path": "m"}}
+    (tmp_path / "configs" / "s.yaml").write_text(yaml.safe_dump(cfg))
+    resolved = ConfigStore(tmp_path / "configs").load("s")
+    parsers = ServerParsers()
+    first = asyncio.create_task(parsers.parser_for(resolved))
+    second = asyncio.create_task(parsers.parser_for(resolved))
+    pid = int(await asyncio.wait_for(asyncio.to_thread(started.read_text), 30))
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert alive(pid)  # the second still waits for it
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    assert not alive(pid)
+    assert builds.read_text().count("\n") == 1
