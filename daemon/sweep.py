@@ -24,7 +24,7 @@ from typing import Any
 
 from gpuwarden.daemon import history, logsetup
 from gpuwarden.daemon.errors import CommandError, config_refusal
-from gpuwarden.daemon.load import LoadSpec, run_load
+from gpuwarden.daemon.load import AnswerError, LoadSpec, get_json, run_load
 from gpuwarden.daemon.sglangbench import run_sglang_bench
 from gpuwarden.daemon.supervisor import Supervisor
 
@@ -266,9 +266,11 @@ async def _server_accept_length(base: str) -> float | None:
     """SGLang's own average accept length (`/get_server_info`), when the server has one."""
     import httpx  # noqa: PLC0415 - only a sweep asks
 
-    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+    with contextlib.suppress(
+        httpx.HTTPError, AnswerError, ValueError, KeyError, IndexError, TypeError, AttributeError
+    ):
         async with httpx.AsyncClient(trust_env=False, timeout=10) as c:
-            info = (await c.get(base + "/get_server_info")).json()
+            info = await get_json(c, base + "/get_server_info")
             value = info["internal_states"][0].get("avg_spec_accept_length")
             return float(value) if value is not None else None
     return None

@@ -5,7 +5,8 @@ Rows: every stand-in fault; an exit-2 config error; the port in use; a foreign G
 log dir not writable; a full disk (a file-size limit); a corrupt state file at start; the daemon
 SIGKILLed, then started again; concurrent swaps and a stop; a webhook that hangs or fails; a
 sweep through a crashing and a refused config; a flood and a crash with /logs/stream clients
-that read nothing."""
+that read nothing; a sweep's server that streams malformed chunks, or a 400 MiB line with no
+newline."""
 
 from __future__ import annotations
 
@@ -871,3 +872,77 @@ def test_a_port_taken_while_the_server_loads_is_port_in_use_and_never_ready(
     assert "not by this launch" in ex["evidence"]
     assert not [r for r in d.records() if r.get("event") == "server.state" and r["to"] == "ready"]
     assert d.status()["state"] == "backoff"
+
+
+def sweep_ended(d: Daemon, sid: str, timeout: float = 90) -> dict[str, Any]:
+    """The sweep's view once its whole answer is in (the restore included)."""
+    wait_until(
+        lambda: d.http.get(f"/sweeps/{sid}").json().get("ended_at") is not None,
+        timeout,
+        f"sweep {sid} to end",
+        step=0.1,
+    )
+    view: dict[str, Any] = d.http.get(f"/sweeps/{sid}").json()
+    return view
+
+
+def test_a_malformed_stream_chunk_fails_its_row_and_the_sweep_goes_on_and_restores(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """Servers whose streams begin with `data: 1` (a JSON non-object) or `data: not-json`:
+    each request fails with the reason, the sweep goes on and the previous config serves
+    again. Before, `data: 1` raised out of the load: the sweep failed and nothing restored."""
+    port = free_port()
+    cfgs = {
+        "base": standin_config(port=port),
+        "one": standin_config("--standin-malformed-chunk=1", port=port),
+        "text": standin_config("--standin-malformed-chunk=not-json", port=port),
+    }
+    d = start_daemon(procs, tmp_path, fake_gpu, cfgs, default="base")
+    d.wait_state("ready")
+    body = {"configs": ["one", "text"], "requests": 2, "warmup": 0, "max_tokens": 10}
+    sid = d.http.post("/sweeps", json=body).json()["id"]
+    view = sweep_ended(d, sid)
+    assert view["state"] == "done", view
+    rows = {r["config"]: r for r in view["rows"]}
+    assert [r["status"] for r in view["rows"]] == ["failed", "failed"], view["rows"]
+    assert rows["one"]["reason"] == "load_failed"
+    assert "a stream chunk is not a JSON object: '1'" in rows["one"]["evidence"], rows["one"]
+    assert "a stream chunk is not JSON: 'not-json'" in rows["text"]["evidence"], rows["text"]
+    assert rows["one"]["requests_failed"] == 2 and view["winner"] is None
+    assert view["restored"] == "base"
+    assert d.status()["config"] == "base" and d.status()["state"] == "ready"
+
+
+def vm_hwm_bytes(pid: int) -> int:
+    """The peak resident set of a process (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_sweep_reads_a_400_mib_line_with_no_newline_within_a_bound(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """A measured server streams `data: ` and 400 MiB with no newline: the request fails on
+    the line's cap, and the daemon's peak memory stays far below the line. Before, the line was
+    read whole (124 MB -> 1.28 GB)."""
+    port = free_port()
+    hostile = {
+        "command": [PY, str(Path(__file__).with_name("hostile_http.py"))],
+        "args": {"port": port, "line-mib": 400},
+        "health": {"startup_timeout_s": 30, "interval_s": 0.2, "timeout_s": 2, "failures": 3},
+    }
+    cfgs = {"base": standin_config(), "hostile": hostile}
+    d = start_daemon(procs, tmp_path, fake_gpu, cfgs, default="base")
+    d.wait_state("ready")
+    body = {"configs": ["hostile"], "requests": 1, "warmup": 0, "max_tokens": 10}
+    sid = d.http.post("/sweeps", json=body).json()["id"]
+    view = sweep_ended(d, sid)
+    row = view["rows"][0]
+    assert row["status"] == "failed" and row["reason"] == "load_failed", row
+    assert "a line of the stream is longer than 1048576 bytes" in row["evidence"], row
+    peak = vm_hwm_bytes(d.proc.pid)
+    assert peak < 350 * (1 << 20), f"the daemon's peak RSS was {peak >> 20} MiB"
+    assert view["restored"] == "base" and d.status()["config"] == "base"

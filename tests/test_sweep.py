@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -342,3 +344,51 @@ def test_the_benchmarks_python_is_command0_or_its_scripts_shebang(tmp_path: Path
     other.write_text("#!/bin/sh\nexit 0\n")
     with pytest.raises(BenchError, match="not a Python interpreter"):
         interpreter([str(other)], {})
+
+
+@pytest.mark.parametrize(
+    ("payload", "why"),
+    [
+        ("1", "a stream chunk is not a JSON object: '1'"),
+        ("[1]", "a stream chunk is not a JSON object: '[1]'"),
+        ("not-json", "a stream chunk is not JSON: 'not-json'"),
+        ('{"choices": [1]}', "a stream chunk's choices are not objects"),
+        ('{"choices": "x"}', "a stream chunk's choices are not objects"),
+        ('{"usage": 5}', "a stream chunk's usage is not an object"),
+        ('{"usage": {"completion_tokens": "5"}}', "token count is not a number"),
+        ('{"choices": [{"delta": "x"}]}', "a stream chunk's delta is not an object"),
+        ('{"error": {"message": "boom"}}', "the server sent an error in the stream: 'boom'"),
+    ],
+)
+def test_a_chunk_that_is_not_a_chunk_is_refused_with_its_reason(payload: str, why: str) -> None:
+    from gpuwarden.daemon.load import AnswerError, read_chunk  # noqa: PLC0415
+
+    with pytest.raises(AnswerError, match=re.escape(why)):
+        read_chunk(payload)
+    chunk = '{"choices": [{"delta": {"content": "hi"}, "finish_reason": "length"}]}'
+    assert read_chunk(chunk) == (None, "length", True)
+    assert read_chunk('{"choices": [], "usage": {"completion_tokens": 7}}') == (7, None, False)
+
+
+def test_lines_are_split_across_reads_and_a_long_one_stops_the_reading() -> None:
+    import httpx  # noqa: PLC0415
+
+    from gpuwarden.daemon.load import AnswerError, lines  # noqa: PLC0415
+
+    served: list[int] = []
+
+    async def body(parts: list[bytes]) -> Any:
+        for part in parts:
+            served.append(len(part))
+            yield part
+
+    async def read(parts: list[bytes], limit: int) -> list[str]:
+        response = httpx.Response(200, content=body(parts))
+        return [line async for line in lines(response, limit)]
+
+    assert asyncio.run(read([b"da", b"ta: 1\r\n\nda", b"ta: 2"], 16)) == ["data: 1", "", "data: 2"]
+    served.clear()
+    endless = [b"data: " + b"x" * 10] * 1000
+    with pytest.raises(AnswerError, match="longer than 64 bytes"):
+        asyncio.run(read(endless, 64))
+    assert len(served) < 10  # not read on to the end
