@@ -36,6 +36,7 @@ class Snapshot:
     intent_running: bool
     launch_id: str | None
     launch_config: str | None
+    launch_argv: tuple[str, ...] | None  # the launch's own argv (its secrets in it: never shown)
     pid: int | None  # the running server's main process
     replacing_port: int | None  # its port (a swap's preflight lets the new config reuse it)
     started_at: float | None
@@ -90,6 +91,7 @@ def take(m: Machine) -> Snapshot:
         intent_running=m.intent_running,
         launch_id=(launch.launch_id or None) if launch else None,
         launch_config=launch.config.name if launch else None,
+        launch_argv=tuple(launch.config.argv) if launch else None,
         pid=launch.child.pid if launch and launch.child and launch.running else None,
         replacing_port=launch.config.port if launch and launch.running else None,
         started_at=launch.started_at if launch else None,

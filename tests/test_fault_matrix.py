@@ -5,8 +5,8 @@ Rows: every stand-in fault; an exit-2 config error; the port in use; a foreign G
 log dir not writable; a full disk (a file-size limit); a corrupt state file at start; the daemon
 SIGKILLed, then started again; concurrent swaps and a stop; a webhook that hangs or fails; a
 sweep through a crashing and a refused config; a flood and a crash with /logs/stream clients
-that read nothing; a sweep's server that streams malformed chunks, or a 400 MiB line with no
-newline."""
+that read nothing; a sweep's server that crashes during its load, that streams malformed chunks,
+or a 400 MiB line with no newline."""
 
 from __future__ import annotations
 
@@ -884,6 +884,33 @@ def sweep_ended(d: Daemon, sid: str, timeout: float = 90) -> dict[str, Any]:
     )
     view: dict[str, Any] = d.http.get(f"/sweeps/{sid}").json()
     return view
+
+
+def test_a_server_that_crashes_during_its_sweep_load_is_failed_and_cannot_win(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """The config's scheduler dies 2 s into its 4 s load (its first requests were answered):
+    the row is failed with the reason, the config cannot win, and its rollback is waited for
+    before the restore. Before, a row was ok when any request was answered."""
+    port = free_port()
+    cfgs = {
+        "base": standin_config(port=port),
+        "crashy": standin_config("--standin-crash-after=2", port=port),
+    }
+    d = start_daemon(procs, tmp_path, fake_gpu, cfgs, default="base")
+    d.wait_state("ready")
+    body = {"configs": ["crashy", "base"], "requests": 12, "warmup": 0, "max_tokens": 30}
+    sid = d.http.post("/sweeps", json=body).json()["id"]
+    view = sweep_ended(d, sid)
+    rows = {r["config"]: r for r in view["rows"]}
+    crashy = rows["crashy"]
+    assert crashy["requests_ok"] >= 1, crashy  # answered before the crash: ok, before
+    assert crashy["status"] == "failed" and crashy["reason"] == "server_crashed", crashy
+    assert f"launch {crashy['launch_id']} did not serve the whole load" in crashy["evidence"]
+    assert rows["base"]["status"] == "ok", rows["base"]
+    assert view["winner"] == "base" and view["restored"] == "base", view
+    assert d.status()["config"] == "base" and d.status()["state"] == "ready"
+    assert d.status()["last_good_config"] == "base"
 
 
 def test_a_malformed_stream_chunk_fails_its_row_and_the_sweep_goes_on_and_restores(
