@@ -221,7 +221,7 @@ class Machine(Books):
             # A swapped-in config becomes last-good only once it has stayed up.
             launch.on_probation = True
             self.host.timer(probation, ProbationOver(launch.gen), launch)
-        else:
+        elif self.may_be_last_good(launch):
             self.last_good_config, self.last_good_launch = launch.config.name, launch.launch_id
         self.persist()
         self.host.probe(launch, readiness=False)
@@ -266,6 +266,8 @@ class Machine(Books):
         if launch is None or not launch.on_probation or self.state != S.READY:
             return
         launch.on_probation = False
+        if not self.may_be_last_good(launch):
+            return  # a sweep measures it: it ends on another config
         self.last_good_config, self.last_good_launch = launch.config.name, launch.launch_id
         self.event("probation_passed", probation_s=self.settings.restart.probation_s)
         self.persist()

@@ -92,7 +92,7 @@ class Supervisor:
         self._sweep: tuple[str, Callable[[], Any]] | None = None
         self._cancel_sweep: Callable[[], Awaitable[None]] | None = None
         self._save_timer: asyncio.TimerHandle | None = None
-        self._asked: tuple[str | None, bool, str | None] | None = None  # as last saved
+        self._asked: tuple[str | None, bool, str | None, str | None] | None = None  # last saved
 
     # -- the owner -------------------------------------------------------------------------------
 
@@ -162,9 +162,14 @@ class Supervisor:
         m = self.machine
         if not m.dirty:
             return
-        # What was asked for (the intent, a swap begun or ended) is saved at once; only a
-        # relaunch's own passing states wait.
-        asked = (m.intent_config, m.intent_running, m.swap.id if m.swap is not None else None)
+        # What was asked for (the intent, a swap or sweep begun or ended) is saved at once; only
+        # a relaunch's own passing states wait.
+        asked = (
+            m.intent_config,
+            m.intent_running,
+            m.swap.id if m.swap is not None else None,
+            m.active_sweep,
+        )
         if not now and m.state in RELAUNCH_STATES and not m.finished and asked == self._asked:
             if self._save_timer is None:
                 self._save_timer = asyncio.get_running_loop().call_later(
@@ -310,11 +315,16 @@ class Supervisor:
         await msg.reply
 
     def sweep_began(
-        self, sweep_id: str, view: Callable[[], Any], cancel: Callable[[], Awaitable[None]]
+        self,
+        sweep_id: str,
+        view: Callable[[], Any],
+        cancel: Callable[[], Awaitable[None]],
+        restore_to: str | None = None,
     ) -> None:
-        """A sweep runs: `view` is its progress; `cancel` ends it (a stop wins over it)."""
+        """A sweep runs: `view` is its progress; `cancel` ends it (a stop wins over it);
+        `restore_to` is the config it ends on."""
         self._sweep, self._cancel_sweep = (sweep_id, view), cancel
-        self.post(msgs.SweepBegan(sweep_id))
+        self.post(msgs.SweepBegan(sweep_id, restore_to))
 
     def sweep_ended(self, sweep_id: str) -> None:
         if self._sweep is not None and self._sweep[0] == sweep_id:

@@ -4,12 +4,14 @@ For each config: a swap (preflight and rollback rules as for any swap), `ready`,
 its OpenAI-compatible endpoint (with the config's own API key), and the server's own `Decode
 batch` figures during the load window. A config that is refused or crashes (also during its
 load: a request failed, or another launch serves at its end) is recorded as failed with its
-reason and log reference and the sweep goes on. At the end (or on cancel) the config that was
-serving before (or `end_on`) is restored, once any swap or rollback under way has settled;
-`restored` says whether it serves (false, with `restore_error`, when it does not). Results:
-`table.md`, `table.csv`, `chart.png`, `result.json` under `state_dir/sweeps/ID/`; the sweeps of
-earlier lives are read back from there on first use, and only the newest `retention.sweeps`
-folders are kept (never a running sweep's).
+reason and log reference and the sweep goes on; a config the sweep measures never becomes
+last-good. At the end (or on cancel) the config that was serving before (or `end_on`) is
+restored, once any swap or rollback under way has settled; `restored` says whether it serves
+(false, with `restore_error`, when it does not). A daemon that dies mid-sweep starts that config
+at its next boot (`boot.py`) and lists the sweep as `interrupted`. Results: `table.md`,
+`table.csv`, `chart.png`, `result.json` under `state_dir/sweeps/ID/`; the sweeps of earlier
+lives are read back from there on first use, and only the newest `retention.sweeps` folders are
+kept (never a running sweep's).
 
 httpx is imported where a sweep asks the server something, never when the daemon starts.
 """
@@ -127,7 +129,9 @@ class SweepManager:
         )
         self.sweeps[sweep_id] = sweep
         self.active = sweep
-        self.sup.sweep_began(sweep_id, sweep.view, self.cancel_for_stop)
+        self.sup.sweep_began(
+            sweep_id, sweep.view, self.cancel_for_stop, restore_to=end_on or sweep.original
+        )
         sweep.task = asyncio.get_running_loop().create_task(self._run(sweep))
         self.sup.post_event("sweep_started", sweep_id=sweep_id, configs=configs)
         return sweep

@@ -6,7 +6,7 @@ log dir not writable; a full disk (a file-size limit); a corrupt state file at s
 SIGKILLed, then started again; concurrent swaps and a stop; a webhook that hangs or fails; a
 sweep through a crashing and a refused config; a flood and a crash with /logs/stream clients
 that read nothing; a sweep's server that crashes during its load, that streams malformed chunks,
-or a 400 MiB line with no newline."""
+or a 400 MiB line with no newline; the daemon SIGKILLed mid-sweep."""
 
 from __future__ import annotations
 
@@ -939,6 +939,42 @@ def test_a_malformed_stream_chunk_fails_its_row_and_the_sweep_goes_on_and_restor
     assert rows["one"]["requests_failed"] == 2 and view["winner"] is None
     assert view["restored"] == "base"
     assert d.status()["config"] == "base" and d.status()["state"] == "ready"
+
+
+def test_a_daemon_killed_mid_sweep_serves_the_original_again_and_keeps_its_last_good(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """SIGKILL while the sweep measures `b` (probation 0: a swap is last-good once ready):
+    `b` never becomes last-good, and the next life lists the sweep as interrupted and starts
+    `base` again. Before, `b` was last-good and served on."""
+    port = free_port()
+    cfgs = {"base": standin_config(port=port), "b": standin_config(port=port)}
+    setup = {"default": "base", "restart": {"probation_s": 0}}
+    d = start_daemon(procs, tmp_path, fake_gpu, cfgs, **setup)
+    d.wait_state("ready")
+    body = {"configs": ["b"], "requests": 100, "warmup": 0, "max_tokens": 200}
+    sid = d.http.post("/sweeps", json=body).json()["id"]
+    d.wait_event("server.sweep_progress", sweep_id=sid, config="b")
+    wait_until(
+        lambda: (st := d.status())["config"] == "b" and st["state"] == "ready",
+        30,
+        "b to serve",
+        step=0.05,
+    )
+    assert d.status()["last_good_config"] == "base"
+    old_pid = d.status()["pid"]
+    d.proc.signal(signal.SIGKILL)
+    d.proc.wait(10)
+    again = start_daemon(procs, tmp_path, fake_gpu, cfgs, **setup)
+    said = again.wait_event("server.sweep_interrupted", sweep_id=sid)
+    assert said["restore_to"] == "base"
+    again.wait_state("ready", timeout=60)
+    st = again.status()
+    assert (st["config"], st["last_good_config"]) == ("base", "base"), st
+    assert not alive(old_pid)
+    listed = {s["id"]: s for s in again.http.get("/sweeps").json()["sweeps"]}
+    assert listed[sid]["state"] == "interrupted"
+    assert again.http.post("/restart", params={"config": "base"}).status_code == 202
 
 
 def vm_hwm_bytes(pid: int) -> int:

@@ -83,6 +83,8 @@ def test_a_sweep_runs_unattended_and_answers(
     assert sweep["winner"] == "baseline"
     st = d.status()
     assert st["config"] == "baseline" and st["state"] == "ready" and st["sweep"] is None
+    # Each swap away from a config on probation passed it; a swept config's never counts.
+    assert st["last_good_config"] == "baseline"
     md = d.http.get(f"/sweeps/{sid}/table.md").text
     assert (
         "| eagle3_cg_5 |" in md
