@@ -6,7 +6,8 @@ log dir not writable; a full disk (a file-size limit); a corrupt state file at s
 SIGKILLed, then started again; concurrent swaps and a stop; a webhook that hangs or fails; a
 sweep through a crashing and a refused config; a flood and a crash with /logs/stream clients
 that read nothing; a sweep's server that crashes during its load, that streams malformed chunks,
-or a 400 MiB line with no newline; the daemon SIGKILLed mid-sweep."""
+or a 400 MiB line with no newline; the daemon SIGKILLed mid-sweep; a token file replaced by a
+FIFO or a huge file."""
 
 from __future__ import annotations
 
@@ -1009,3 +1010,21 @@ def test_a_sweep_reads_a_400_mib_line_with_no_newline_within_a_bound(
     peak = vm_hwm_bytes(d.proc.pid)
     assert peak < 350 * (1 << 20), f"the daemon's peak RSS was {peak >> 20} MiB"
     assert view["restored"] == "base" and d.status()["config"] == "base"
+
+
+def test_token_file_replaced_by_a_fifo_or_a_huge_file_keeps_the_token(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, token_file=with_token(tmp_path))
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    token = tmp_path / "token"
+    mark = d.mark()
+    token.unlink()
+    os.mkfifo(token)  # no writer: a plain read would block the control plane for good
+    assert d.http.get("/status", headers=auth, timeout=10).status_code == 200
+    d.wait_event("api.token_unreadable", after=mark)
+    token.unlink()
+    token.write_bytes(b"x" * (1024 * 1024))
+    assert d.http.get("/status", headers=auth, timeout=10).status_code == 200
+    token.write_text("next-token\n")
+    assert d.http.get("/status", headers={"Authorization": "Bearer next-token"}).status_code == 200
