@@ -20,6 +20,7 @@ from gpuwarden.daemon import logsetup, views
 from gpuwarden.daemon.errors import CommandError
 from gpuwarden.daemon.launchlog import LogCursor, LogFeed
 from gpuwarden.daemon.logfiles import read_tail
+from gpuwarden.daemon.redact import Redactor
 from gpuwarden.daemon.supervisor import Supervisor
 
 router = APIRouter(tags=["logs"])
@@ -87,16 +88,21 @@ async def logs(
             log_file=str(snap.log.path),
             lines=views.ring_lines(snap, lines),
         )
-    redactor = supervisor.redactor_for(record.get("config"))
+    redactor = supervisor.redactor_for(record)
     path = record.get("log_file")
-    text = await asyncio.to_thread(read_tail, _path(path), lines) if path else []
+    # Masking an earlier launch's secrets by digest costs a hash per word: off the loop too.
+    text = await asyncio.to_thread(_read_redacted, _path(path), lines, redactor) if path else []
     return LogTail(
         launch_id=record["launch_id"],
         config=record.get("config"),
         log_file=path,
-        lines=[redactor.text(t) for t in text],
+        lines=text,
         note=None if text else "the log file is gone (retention) or empty",
     )
+
+
+def _read_redacted(path: Any, lines: int, redactor: Redactor) -> list[str]:
+    return [redactor.text(t) for t in read_tail(path, lines)]
 
 
 def _path(p: str) -> Any:

@@ -80,6 +80,9 @@ class Books:
         self.ready_times: list[float] = []
         self.ready_by_config: dict[str, float] = {}  # each config's last launch-to-ready
         self.history = LaunchHistory()
+        # The install's key for the digests of each launch's secrets kept in its record
+        # (`store.secret_salt`, set by the supervisor at start; None: none are kept).
+        self.secret_salt: bytes | None = None
         self.launch_seq = 0
         self.stop_ticket = 0
         self.active_sweep: str | None = None

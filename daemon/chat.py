@@ -126,7 +126,7 @@ def build_dump(sup: Supervisor, why: str = "requested") -> Dump:
         tail = views.ring_lines(snap, TAIL_LINES)
         source = str(snap.log.path)
     elif record and record.get("log_file"):
-        redactor = sup.redactor_for(record.get("config"))
+        redactor = sup.redactor_for(record)
         tail = [redactor.text(t) for t in read_tail(Path(record["log_file"]), TAIL_LINES)]
         source = record["log_file"]
     elif snap.log is not None:

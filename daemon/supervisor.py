@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from gpuwarden.daemon import logsetup
@@ -31,7 +31,7 @@ from .preflight import Preflight, PreflightResult
 from .redact import Redactor
 from .settings import Settings
 from .states import HOLD_RECORDS_STATES, RELAUNCH_STATES, ServerState
-from .store import EventLog, StateStore
+from .store import EventLog, StateStore, secret_salt
 
 log = logsetup.get_logger("gpuwarden.supervisor")
 
@@ -98,6 +98,7 @@ class Supervisor:
 
     async def run(self) -> None:
         self._owner = asyncio.current_task()
+        self.machine.secret_salt = await asyncio.to_thread(secret_salt, self.settings.state_dir)
         self.host.poll_gpus()
         name, rollback = await boot.restore(
             self.machine, self.store, self.settings.stop.grace_s, self.settings.default_config
@@ -378,5 +379,6 @@ class Supervisor:
             supervising=self.stuck() is None,
         )
 
-    def redactor_for(self, config: str | None) -> Redactor:
-        return views.redactor_for(self.snapshot(), self.configs, config)
+    def redactor_for(self, record: Mapping[str, Any] | None) -> Redactor:
+        """A redactor for the log of the launch whose history entry is `record`."""
+        return views.redactor_for(self.snapshot(), self.configs, record, self.machine.secret_salt)

@@ -17,7 +17,7 @@ from . import ownership
 from .configs import ConfigError, ConfigStore
 from .gpu import GpuSnapshot
 from .model import utc_iso
-from .redact import Redactor
+from .redact import Fingerprints, Redactor
 from .states import ServerState
 
 if TYPE_CHECKING:
@@ -240,11 +240,19 @@ def ring_lines(snap: Snapshot, n: int) -> list[str]:
     return [snap.redactor.text(e.text) for e in snap.log.ring.tail(n)]
 
 
-def redactor_for(snap: Snapshot, configs: ConfigStore, config: str | None) -> Redactor:
-    """A redactor for an earlier launch's log: its config's secrets (if it still resolves),
-    the current launch's, and the generic key=value rules."""
-    redactor = Redactor()
-    if config:
+def redactor_for(
+    snap: Snapshot, configs: ConfigStore, record: Mapping[str, Any] | None, salt: bytes | None
+) -> Redactor:
+    """A redactor for an earlier launch's log (`record`: its history entry): the secrets it ran
+    with, known by the digests its record keeps (however its config changed since), its
+    config's current secrets (if it still resolves), the current launch's, and the generic
+    rules. Masking by digest costs a keyed hash per word-bounded window: call it off the loop
+    for many lines."""
+    record = record or {}
+    found = Fingerprints.of(salt, record.get("secrets")) if salt is not None else None
+    redactor = Redactor(fingerprints=found)
+    config = record.get("config")
+    if isinstance(config, str) and config:
         with contextlib.suppress(ConfigError):
             redactor.add(configs.load(config).secret_values())
     redactor.add(snap.redactor.secrets)

@@ -7,7 +7,7 @@ SIGKILLed, then started again; concurrent swaps and a stop; a webhook that hangs
 sweep through a crashing and a refused config; a flood and a crash with /logs/stream clients
 that read nothing; a sweep's server that crashes during its load, that streams malformed chunks,
 or a 400 MiB line with no newline; the daemon SIGKILLed mid-sweep; a token file replaced by a
-FIFO or a huge file."""
+FIFO or a huge file; a secret-salt file that is a FIFO."""
 
 from __future__ import annotations
 
@@ -1028,3 +1028,14 @@ def test_token_file_replaced_by_a_fifo_or_a_huge_file_keeps_the_token(
     assert d.http.get("/status", headers=auth, timeout=10).status_code == 200
     token.write_text("next-token\n")
     assert d.http.get("/status", headers={"Authorization": "Bearer next-token"}).status_code == 200
+
+
+def test_secret_salt_that_is_a_fifo_blocks_nothing(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    (tmp_path / "state").mkdir(parents=True, exist_ok=True)
+    os.mkfifo(tmp_path / "state" / "secret-salt")  # no writer: a plain read blocks for good
+    d = start_daemon(procs, tmp_path, fake_gpu, {"svc": standin_config()}, default="svc")
+    d.wait_state("ready")
+    assert d.http.get("/logs").status_code == 200
+    assert (tmp_path / "state" / "secret-salt").is_fifo()  # left alone
