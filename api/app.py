@@ -24,7 +24,7 @@ from gpuwarden.api import (
     routes_sweeps,
     routes_ui,
 )
-from gpuwarden.api.auth import bearer, read_token
+from gpuwarden.api.auth import TokenFile, bearer
 from gpuwarden.api.guard import Guard, policy_for
 from gpuwarden.api.models import errors
 from gpuwarden.daemon import errors as refusals
@@ -56,7 +56,8 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
     )
     app.state.supervisor = supervisor
     app.state.settings = settings
-    app.state.token = read_token(settings.token_file)
+    # The token file, read again whenever it changes (a rotation needs no restart).
+    app.state.token = TokenFile(settings.token_file) if settings.token_file else None
     # One listener on the capture path for every /logs/stream client: it only says "more".
     app.state.log_feed = LogFeed()
     supervisor.line_listeners.add(app.state.log_feed.notify)

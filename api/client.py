@@ -243,10 +243,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     progress = None if args.json else follow.Progress(sys.stderr)
     t0 = time.monotonic()
     try:
-        # Done means measured; the answer is in once the previous config is back (`ended_at`).
-        while sweep["state"] == "running" or (
-            sweep["state"] == "done" and sweep.get("ended_at") is None
-        ):
+        # Done means measured; the answer is in once the previous config is back (`ended_at`),
+        # however the sweep ended.
+        while sweep.get("ended_at") is None:
             time.sleep(0.5)  # nothing announces a sweep's progress to a client: it is polled
             sweep = call(args, "GET", f"/sweeps/{sid}").json()
             if progress is not None:
@@ -276,6 +275,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             if not sweep.get("chart_missing")
             else f"\nno chart: {sweep['chart_missing']}"
         )
+    if sweep.get("restored") is False:
+        # The config that served before is not back: the sweep's answer stands, but not
+        # what serves now.
+        print(f"gpuwarden: {sid}: not restored: {sweep.get('restore_error')}", file=sys.stderr)
+        return 1
     return 0 if sweep["state"] == "done" else 1
 
 

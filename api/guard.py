@@ -22,7 +22,7 @@ from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gpuwarden.api.auth import token_matches
+from gpuwarden.api.auth import TokenFile, bearer_of, token_matches
 from gpuwarden.daemon.settings import Settings
 
 # Container and Kubernetes probes name the pod's address, which no setting can know.
@@ -36,7 +36,7 @@ STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 @dataclass(frozen=True)
 class GuardPolicy:
-    token: str | None
+    token: TokenFile | None
     listen_host: str
     allowed_hosts: tuple[str, ...]
     max_body_bytes: int
@@ -92,7 +92,7 @@ class Guard:
             and path not in PROBES
             and path not in policy.body_auth_paths
             and not token_free(path)
-            and not bearer_matches(policy.token, headers.get("authorization"))
+            and not bearer_matches(policy.token.current(), headers.get("authorization"))
         ):
             return Refusal(
                 401,
@@ -167,8 +167,7 @@ async def send_error(send: Send, no: Refusal) -> None:
 
 
 def bearer_matches(expected: str, authorization: str | None) -> bool:
-    scheme, _, given = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and token_matches(expected, given)
+    return token_matches(expected, bearer_of(authorization))
 
 
 def is_loopback(name: str) -> bool:
@@ -210,7 +209,7 @@ def same_origin(origin: str, host: str | None) -> bool:
     return parts.hostname.rstrip(".") == name and (origin_port or default) == (port or default)
 
 
-def policy_for(settings: Settings, token: str | None) -> GuardPolicy:
+def policy_for(settings: Settings, token: TokenFile | None) -> GuardPolicy:
     return GuardPolicy(
         token=token,
         listen_host=settings.listen_host_port[0].lower(),

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
 from gpuwarden.api import slacksign
-from gpuwarden.api.auth import token_matches
+from gpuwarden.api.auth import bearer_of, token_matches
 from gpuwarden.api.deps import SettingsDep, SupervisorDep
 from gpuwarden.api.files import read_file
 from gpuwarden.api.models import DumpName, errors
@@ -102,8 +102,9 @@ async def chat(
 ) -> Any:
     raw = await request.body()  # the raw bytes: a Slack signature is over them, not the form
     fields, slack = _read_message(raw, request)
-    expected = request.app.state.token
-    given = authorization[7:] if authorization and authorization.startswith("Bearer ") else None
+    token_file = request.app.state.token
+    expected = token_file.current() if token_file is not None else None
+    given = bearer_of(authorization)
     verification = settings.chat.verification_token
     secret = settings.chat.signing_secret
     form_token = fields.get("token")

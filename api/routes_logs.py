@@ -106,7 +106,8 @@ async def logs(
         return await asyncio.to_thread(ring_answer)
 
     def file_answer() -> JSONResponse:
-        redactor = supervisor.redactor_for(record.get("config"))
+        # Masking an earlier launch's secrets by digest costs a hash per word: here too.
+        redactor = supervisor.redactor_for(record)
         path = record.get("log_file")
         text = read_tail(Path(path), lines) if path else []
         tail = LogTail(

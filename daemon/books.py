@@ -80,9 +80,15 @@ class Books:
         self.ready_times: list[float] = []
         self.ready_by_config: dict[str, float] = {}  # each config's last launch-to-ready
         self.history = LaunchHistory()
+        # The install's key for the digests of each launch's secrets kept in its record
+        # (`store.secret_salt`, set by the supervisor at start; None: none are kept).
+        self.secret_salt: bytes | None = None
         self.launch_seq = 0
         self.stop_ticket = 0
         self.active_sweep: str | None = None
+        # What the active sweep ends on: no other config it starts becomes last-good, and a
+        # daemon that dies mid-sweep starts this one at its next boot.
+        self.sweep_restore_to: str | None = None
         # The current launch's own figures (Decode batch lines, SGLang's /metrics), reset at
         # every launch and stamped with when they were read: no launch shows another's.
         self.server_metrics: dict[str, Any] = {}
@@ -137,6 +143,11 @@ class Books:
     def current(self, gen: int) -> Launch | None:
         launch = self.launch
         return launch if launch is not None and launch.gen == gen else None
+
+    def may_be_last_good(self, launch: Launch) -> bool:
+        """A launch a sweep measures is not last-good (the sweep ends on another config); the
+        config the sweep ends on may be."""
+        return self.active_sweep is None or launch.config.name == self.sweep_restore_to
 
     def set_intent(self, config: str | None, running: bool) -> None:
         self.intent_config, self.intent_running = config, running

@@ -1,5 +1,6 @@
 """The daemon's start: its previous life's record read back, a server that life left running
-stopped, and the saved intent started again (through the same preflight as a start).
+stopped, and the saved intent started again (through the same preflight as a start); a sweep
+that life did not finish ends on the config it was to end on.
 
 Runs in the owner task before it handles its first message.
 """
@@ -34,6 +35,20 @@ async def restore(
     if note:
         machine.event("state_file_corrupt", detail=note)
     saved.restore(machine, data, childmod.is_alive)
+    swept = saved.interrupted_sweep(data)
+    if swept is not None:
+        # The sweep ended with that life: its config does not go on serving; the config the
+        # sweep was to end on does (none: none was serving before it).
+        sweep_id, back = swept
+        machine.set_intent(back or machine.intent_config, back is not None)
+        data = {**data, "intent": {"config": machine.intent_config, "running": back is not None}}
+        machine.event(
+            "sweep_interrupted",
+            sweep_id=sweep_id,
+            restore_to=back,
+            detail=f"the daemon stopped during sweep {sweep_id}; "
+            + (f"{back} serves again" if back else "nothing was serving before it"),
+        )
     current = data.get("current_launch") or {}
     stopped = await stop_previous_life(machine, current or None, grace_s)
     machine.close_unobserved(str(current.get("launch_id") or "") if stopped else "")

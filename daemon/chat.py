@@ -147,7 +147,7 @@ def _build_dump(
         tail = ring
         source = str(snap.log.path)
     elif record and record.get("log_file"):
-        redactor = sup.redactor_for(record.get("config"))
+        redactor = sup.redactor_for(record)
         tail = [redactor.text(t) for t in read_tail(Path(record["log_file"]), TAIL_LINES)]
         source = record["log_file"]
     elif snap.log is not None:

@@ -111,10 +111,12 @@ def restart(m: Machine, msg: RestartRequested) -> dict[str, Any]:
         return {"accepted": True, "config": cfg.name, "state": str(m.state), "swap_id": None}
     if serving is not None and serving.on_probation:
         # A swap away from a config on probation: its probation counts as passed, and it is
-        # what this swap rolls back to (it was serving, not the older last-good).
+        # what this swap rolls back to (it was serving, not the older last-good); a config a
+        # sweep measures never becomes last-good.
         serving.on_probation = False
-        m.last_good_config, m.last_good_launch = serving.config.name, serving.launch_id
-        m.event("probation_passed", detail="a swap began while it served")
+        if m.may_be_last_good(serving):
+            m.last_good_config, m.last_good_launch = serving.config.name, serving.launch_id
+            m.event("probation_passed", detail="a swap began while it served")
     last_good: ResolvedConfig | None = msg.last_good
     if last_good is not None and last_good.name != m.last_good_config:
         last_good = None
@@ -159,12 +161,14 @@ def shutdown(m: Machine, msg: ShutdownRequested) -> None:
 
 
 def sweep_began(m: Machine, msg: SweepBegan) -> None:
-    m.active_sweep = msg.sweep_id
+    m.active_sweep, m.sweep_restore_to = msg.sweep_id, msg.restore_to
+    m.persist()  # on record: a later life ends it (sweep_interrupted)
 
 
 def sweep_ended(m: Machine, msg: SweepEnded) -> None:
     if m.active_sweep == msg.sweep_id:
-        m.active_sweep = None
+        m.active_sweep, m.sweep_restore_to = None, None
+        m.persist()
 
 
 def refuse(m: Machine, name: str | None, detail: str) -> None:

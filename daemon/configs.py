@@ -21,7 +21,17 @@ from pydantic import ValidationError
 
 from . import errors
 from .configschema import ServerConfig, build_argv
-from .redact import MASK, ArgvSecrets, argv_secrets, redact_env, secret_values
+from .redact import (
+    MASK,
+    ArgvSecrets,
+    Redactor,
+    argv_secrets,
+    longest_first,
+    mask_url_passwords,
+    redact_env,
+    secret_values,
+    url_passwords,
+)
 from .safefile import YamlLimit, load_yaml, read_regular_text
 
 # A config is a few hundred lines; anything near this is a mistake or an attack.
@@ -131,11 +141,32 @@ class ResolvedConfig:
         return argv_secrets(self.argv, parser_known=self.config.preflight.argv)
 
     def redacted_argv(self) -> list[str]:
-        return self.argv_secrets.redact(self.argv)
+        # Every item of a secret arg's list is masked, whatever the parser makes of it.
+        masker = Redactor(longest_first(self._secret_args()))
+        return [masker.text(a) for a in self.argv_secrets.redact(self.argv)]
+
+    def _secret_args(self) -> list[str]:
+        """The values of `args` keys that name secrets (each item of a list)."""
+        policy = self.argv_secrets
+        out: list[str] = []
+        for key, value in self.config.args.items():
+            if policy.is_secret(key if key.startswith("-") else f"--{key}"):
+                items = value if isinstance(value, list) else [value]
+                out += [str(v) for v in items if v is not None and not isinstance(v, bool)]
+        return out
 
     def secret_values(self) -> list[str]:
-        """The literal secrets of a launch of this config, to be masked wherever they appear."""
-        return secret_values(self.argv, self.env, self.argv_secrets)
+        """The literal secrets of a launch of this config, to be masked wherever they appear:
+        its secret flags' and variables' values and the passwords of its URLs (health.url
+        too)."""
+        values = secret_values(self.argv, self.env, self.argv_secrets)
+        values += self._secret_args() + url_passwords(self.config.health.url or "")
+        return longest_first(values)
+
+    @property
+    def shown_health_url(self) -> str:
+        """The health URL as shown: a password in it masked."""
+        return mask_url_passwords(self.health_url)
 
     def redacted_env(self) -> dict[str, str | None]:
         """The env overrides with secrets masked; None marks a variable the config unsets."""
@@ -150,18 +181,31 @@ class ResolvedConfig:
         # `command` may hold flags too (`[sglang, serve, --api-key=...]`).
         data["command"] = secrets.redact(self.config.command)
         data["args"] = {
-            key: MASK if secrets.is_secret(key if key.startswith("-") else f"--{key}") else value
+            key: MASK
+            if secrets.is_secret(key if key.startswith("-") else f"--{key}")
+            else _masked_urls(value)
             for key, value in data["args"].items()
         }
+        if data["health"].get("url"):
+            data["health"]["url"] = mask_url_passwords(data["health"]["url"])
         return {
             "name": self.name,
             "config": data,
             "argv": self.redacted_argv(),
             "config_hash": self.config_hash,
-            "health_url": self.health_url,
+            "health_url": self.shown_health_url,
             "gpus": self.gpus,
             "files": [str(f) for f in self.files],
         }
+
+
+def _masked_urls(value: Any) -> Any:
+    """An `args` value with the passwords of its URLs masked (in each item of a list)."""
+    if isinstance(value, str):
+        return mask_url_passwords(value)
+    if isinstance(value, list):
+        return [_masked_urls(v) for v in value]
+    return value
 
 
 def _line_of(path: Path, text: str, loc: tuple[Any, ...]) -> int | None:

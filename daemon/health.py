@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from .redact import mask_url_passwords
+
 MAX_HEAD_BYTES = 64 * 1024  # a status line and headers past this are not a health answer
 
 
@@ -37,14 +39,14 @@ def _request(url: str) -> tuple[str, int, bool, bytes]:
     """Host, port, TLS and the request's bytes for `url`; ProbeError when it is no HTTP URL."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ProbeError(f"not an http(s) URL: {url!r}")
+        raise ProbeError(f"not an http(s) URL: {mask_url_passwords(url)!r}")
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError as exc:
-        raise ProbeError(f"bad port in {url!r}") from exc
+        raise ProbeError(f"bad port in {mask_url_passwords(url)!r}") from exc
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     if any(c in target for c in "\r\n "):
-        raise ProbeError(f"the path of {url!r} has whitespace")
+        raise ProbeError(f"the path of {mask_url_passwords(url)!r} has whitespace")
     host = parts.netloc.rpartition("@")[2]  # never send credentials in the Host header
     head = f"GET {target} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: gpuwarden\r\n"
     head += "Accept: */*\r\nConnection: close\r\n\r\n"
@@ -79,16 +81,18 @@ async def get_status(url: str) -> int:
 
 class HttpProber:
     async def probe(self, url: str, timeout_s: float) -> ProbeResult:
+        shown = mask_url_passwords(url)  # what the result says goes to events and the log
         try:
             async with asyncio.timeout(timeout_s):
                 code = await get_status(url)
         except TimeoutError:
-            return ProbeResult(False, f"GET {url}: no answer within {timeout_s:g} s")
+            return ProbeResult(False, f"GET {shown}: no answer within {timeout_s:g} s")
         except (OSError, ProbeError, ssl.SSLError, UnicodeError) as exc:
-            return ProbeResult(False, f"GET {url}: {type(exc).__name__}: {exc}")
+            why = mask_url_passwords(str(exc))
+            return ProbeResult(False, f"GET {shown}: {type(exc).__name__}: {why}")
         if code == 200:
-            return ProbeResult(True, f"GET {url}: 200")
-        return ProbeResult(False, f"GET {url}: {code}")
+            return ProbeResult(True, f"GET {shown}: 200")
+        return ProbeResult(False, f"GET {shown}: {code}")
 
     async def close(self) -> None:
         """Nothing is kept between probes."""

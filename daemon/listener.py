@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from .redact import mask_url_passwords
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _LISTEN = "0A"
 # A foreign holder is looked for among this many processes at most (a busy host has many).
@@ -222,7 +224,7 @@ def check_listener(
     may be a function: the process tree is walked only when something listens."""
     endpoint = url_endpoint(url)
     if endpoint is None:
-        return ListenerCheck(None, f"{url} names no host and port")
+        return ListenerCheck(None, f"{mask_url_passwords(url)} names no host and port")
     host, port = endpoint
     ip = local_ip(host)
     if ip is None:

@@ -9,6 +9,11 @@ inverse). The run reports each figure's spread across requests (mean, min, p50, 
 warm-up requests are sent first and not counted. Concurrency 1 by default, so figures compare
 with single-stream measurements.
 
+What a server sends is read within bounds: a stream line (one SSE field) of at most
+`MAX_LINE_BYTES`, a whole answer of at most `MAX_BODY_BYTES`; a longer one, a chunk that is not
+a JSON object of the expected shape, or an error chunk fails that request with the reason (the
+rest is never read into memory).
+
 httpx is imported where a load runs, never when the daemon starts.
 """
 
@@ -18,11 +23,23 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import httpx
+
+# One line of a stream: SGLang's chunks are a few hundred bytes; a line that passes this
+# without its newline is not an answer being streamed.
+MAX_LINE_BYTES = 1 << 20
+# A whole answer that is not streamed (`/get_server_info`): a few KiB from SGLang.
+MAX_BODY_BYTES = 8 << 20
+
+
+class AnswerError(Exception):
+    """The server's answer cannot be read as one (too long, malformed): the message says why."""
+
 
 PROMPTS = (
     "Explain speculative decoding in two paragraphs.",
@@ -109,6 +126,64 @@ def request_body(model: str, prompt: str, spec: LoadSpec) -> dict[str, Any]:
     return body
 
 
+async def lines(r: httpx.Response, limit: int = MAX_LINE_BYTES) -> AsyncIterator[str]:
+    """The response's lines, each of at most `limit` bytes: a longer one raises AnswerError
+    as soon as it passes the limit, without reading the rest."""
+    buf = bytearray()
+    async for data in r.aiter_bytes():
+        start = 0
+        while (end := data.find(b"\n", start)) >= 0:
+            if len(buf) + end - start > limit:
+                raise AnswerError(f"a line of the stream is longer than {limit} bytes")
+            buf += data[start:end]
+            yield buf.decode("utf-8", "replace").removesuffix("\r")
+            buf.clear()
+            start = end + 1
+        if len(buf) + len(data) - start > limit:
+            raise AnswerError(f"a line of the stream is longer than {limit} bytes")
+        buf += data[start:]
+    if buf:
+        yield buf.decode("utf-8", "replace")
+
+
+def _excerpt(text: str) -> str:
+    return repr(text[:80]) + ("..." if len(text) > 80 else "")
+
+
+def read_chunk(payload: str) -> tuple[int | None, str | None, bool]:
+    """One stream chunk (the JSON after `data:`): (its usage count, its finish reason, whether
+    it carried text). AnswerError when it is not a chunk: not JSON, not an object, a field of
+    the wrong type, or SGLang's error object."""
+    try:
+        chunk = json.loads(payload)
+    except ValueError:
+        raise AnswerError(f"a stream chunk is not JSON: {_excerpt(payload)}") from None
+    if not isinstance(chunk, dict):
+        raise AnswerError(f"a stream chunk is not a JSON object: {_excerpt(payload)}")
+    if chunk.get("error") is not None:
+        error = chunk["error"]
+        message = error.get("message") if isinstance(error, dict) else error
+        raise AnswerError(f"the server sent an error in the stream: {_excerpt(str(message))}")
+    usage_field = chunk.get("usage")
+    choices = chunk.get("choices") or []
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise AnswerError(f"a stream chunk's choices are not objects: {_excerpt(payload)}")
+    if usage_field is not None and not isinstance(usage_field, dict):
+        raise AnswerError(f"a stream chunk's usage is not an object: {_excerpt(payload)}")
+    usage = (usage_field or {}).get("completion_tokens")
+    if usage is not None and (not isinstance(usage, int) or isinstance(usage, bool)):
+        raise AnswerError(f"a stream chunk's token count is not a number: {_excerpt(payload)}")
+    finish: str | None = None
+    text = False
+    for choice in choices:
+        delta = choice.get("delta") or {}
+        if not isinstance(delta, dict):
+            raise AnswerError(f"a stream chunk's delta is not an object: {_excerpt(payload)}")
+        finish = choice.get("finish_reason") or finish
+        text = text or bool(delta.get("content"))
+    return usage, (str(finish) if finish is not None else None), text
+
+
 async def _one(
     client: httpx.AsyncClient, url: str, model: str, prompt: str, spec: LoadSpec
 ) -> RequestResult:
@@ -124,22 +199,39 @@ async def _one(
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for line in lines(r):
+                if not line.startswith("data:"):
                     continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage") and chunk["usage"].get("completion_tokens") is not None:
-                    usage = int(chunk["usage"]["completion_tokens"])
-                for choice in chunk.get("choices") or []:
-                    finish = choice.get("finish_reason") or finish
-                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+                payload = line[5:].removeprefix(" ")
+                if payload == "[DONE]":
+                    continue
+                counted, finished, text = read_chunk(payload)
+                usage = counted if counted is not None else usage
+                finish = finished or finish
+                if text:
                     arrivals.append(time.perf_counter())
         count(res, arrivals, usage, finish, spec.max_tokens)
         res.ok = True
-    except (httpx.HTTPError, ValueError) as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
+    except (httpx.HTTPError, AnswerError) as exc:
+        res.error = str(exc) if isinstance(exc, AnswerError) else f"{type(exc).__name__}: {exc}"
     res.ended = time.perf_counter()
     return res
+
+
+async def get_json(
+    client: httpx.AsyncClient, url: str, limit: int = MAX_BODY_BYTES, timeout_s: float = 10.0
+) -> Any:
+    """A GET's JSON answer, read up to `limit` bytes (AnswerError past it, or if not JSON)."""
+    body = bytearray()
+    async with client.stream("GET", url, timeout=timeout_s) as r:
+        async for data in r.aiter_bytes():
+            body += data
+            if len(body) > limit:
+                raise AnswerError(f"{url}: the answer is longer than {limit} bytes")
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise AnswerError(f"{url}: the answer is not JSON") from None
 
 
 def count(
@@ -195,12 +287,18 @@ def summarise(results: list[RequestResult], wall: float, spec: LoadSpec) -> dict
     return out
 
 
-async def run_load(base_url: str, spec: LoadSpec, model: str = "default") -> dict[str, Any]:
+async def run_load(
+    base_url: str,
+    spec: LoadSpec,
+    model: str = "default",
+    headers: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """`headers` go with every request (the server's API key): never recorded."""
     import httpx  # noqa: PLC0415 - only a load needs it
 
     url = base_url.rstrip("/") + "/v1/chat/completions"
     limits = httpx.Limits(max_connections=max(1, spec.concurrency) + 1)
-    async with httpx.AsyncClient(trust_env=False, limits=limits) as client:
+    async with httpx.AsyncClient(trust_env=False, limits=limits, headers=headers) as client:
         sem = asyncio.Semaphore(max(1, spec.concurrency))
 
         async def go(i: int) -> RequestResult:

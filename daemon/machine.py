@@ -36,7 +36,7 @@ from .messages import (
 )
 from .model import Launch, Next, Swap, utc_iso, utc_stamp
 from .policy import NOT_RETRIED, Classification, backoff_delay, classify_exit
-from .redact import Redactor
+from .redact import Redactor, fingerprints
 from .sglanglines import decode_metrics, strip_prefix
 from .states import ServerState, SwapPhase
 
@@ -99,17 +99,20 @@ class Machine(Books):
                 self.set_phase(launch.swap, SwapPhase.STARTING)  # WAITING_GPU -> STARTING
         launch.started_at, launch.started_mono = self.clock.time(), self.clock.monotonic()
         path = str(msg.log.path)
-        self.history.started(  # every launch is on record from its start; the exit fills in
-            {
-                "launch_id": launch.launch_id,
-                "config": launch.config.name,
-                "pid": msg.child.pid,
-                "started_at": utc_iso(launch.started_at),
-                "ready_at": None,
-                "log_file": path,
-                "exit": None,
-            }
-        )
+        record: dict[str, object] = {
+            "launch_id": launch.launch_id,
+            "config": launch.config.name,
+            "pid": msg.child.pid,
+            "started_at": utc_iso(launch.started_at),
+            "ready_at": None,
+            "log_file": path,
+            "exit": None,
+        }
+        if self.secret_salt is not None:
+            # Its secrets by keyed digest, never in clear: its log stays masked after the
+            # config's secrets change (views.redactor_for).
+            record["secrets"] = fingerprints(self.secret_salt, launch.redactor.secrets)
+        self.history.started(record)  # every launch is on record from its start; the exit fills in
         self.persist()
         if self.state == S.STOPPING:  # stopped while it executed: it goes now
             self.event(
@@ -200,7 +203,7 @@ class Machine(Books):
             self.event(
                 "listener_unchecked",
                 config=launch.config.name,
-                detail=f"cannot check that this launch answers {launch.config.health_url}: "
+                detail=f"cannot check that this launch answers {launch.config.shown_health_url}: "
                 f"{check.detail}; readiness rests on the {msg.how}",
             )
         self._became_ready(launch, msg.how)
@@ -221,7 +224,7 @@ class Machine(Books):
             # A swapped-in config becomes last-good only once it has stayed up.
             launch.on_probation = True
             self.host.timer(probation, ProbationOver(launch.gen), launch)
-        else:
+        elif self.may_be_last_good(launch):
             self.last_good_config, self.last_good_launch = launch.config.name, launch.launch_id
         self.persist()
         self.host.probe(launch, readiness=False)
@@ -266,6 +269,8 @@ class Machine(Books):
         if launch is None or not launch.on_probation or self.state != S.READY:
             return
         launch.on_probation = False
+        if not self.may_be_last_good(launch):
+            return  # a sweep measures it: it ends on another config
         self.last_good_config, self.last_good_launch = launch.config.name, launch.launch_id
         self.event("probation_passed", probation_s=self.settings.restart.probation_s)
         self.persist()

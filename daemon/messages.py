@@ -211,9 +211,11 @@ class WriteHealth:
 
 @dataclass(frozen=True)
 class SweepBegan:
-    """A sweep runs: other restarts and swaps are refused until it ends."""
+    """A sweep runs: other restarts and swaps are refused until it ends. `restore_to`: the
+    config it ends on (the one serving before it, or its `end_on`; None: none)."""
 
     sweep_id: str
+    restore_to: str | None = None
 
 
 @dataclass(frozen=True)

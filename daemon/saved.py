@@ -43,6 +43,12 @@ def record(m: Any, boot_id: str) -> dict[str, Any]:
         "last_exit": m.last_exit,
         "launches": list(m.history.entries()),
         "swap": _swap_record(m),
+        # A sweep under way, and the config it ends on: a later life ends it on that config.
+        "sweep": (
+            {"id": m.active_sweep, "restore_to": m.sweep_restore_to}
+            if m.active_sweep is not None
+            else None
+        ),
         "known_processes": [
             [pid, ct, lid] for (pid, ct), lid in list(m.known_ours.items())[-KNOWN_KEPT:]
         ],
@@ -85,6 +91,15 @@ def restore(m: Any, data: dict[str, Any], alive: Callable[[int, float], bool]) -
             pid, ct, lid = int(item[0]), float(item[1]), str(item[2])
             if alive(pid, ct):
                 m.known_ours[(pid, ct)] = lid
+
+
+def interrupted_sweep(data: dict[str, Any]) -> tuple[str, str | None] | None:
+    """(id, the config it ends on) of a sweep the previous life did not finish, if any."""
+    record = data.get("sweep")
+    if not isinstance(record, dict) or not record.get("id"):
+        return None
+    back = record.get("restore_to")
+    return str(record["id"]), (str(back) if back else None)
 
 
 def boot_config(data: dict[str, Any], default_config: str | None) -> str | None:

@@ -35,6 +35,32 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+SALT_FILE = "secret-salt"
+
+
+def secret_salt(state_dir: Path) -> bytes:
+    """The install's key for the digests of launches' secrets (`redact.fingerprints`):
+    `state_dir/secret-salt`, 32 random bytes made once, readable by the daemon's user only.
+    One that cannot be read or made gives way to a key for this life only (earlier launches'
+    logs are then masked by their config's current secrets alone)."""
+    path = state_dir / SALT_FILE
+    try:
+        data = read_regular(path, 4096)
+    except FileNotFoundError:
+        data = b""
+    except OSError:
+        return os.urandom(32)  # there but unreadable (a FIFO, a directory): left alone
+    if len(data) >= 16:
+        return data
+    salt = os.urandom(32)
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, salt)  # mkstemp makes it 0600
+    except OSError:
+        pass
+    return salt
+
+
 # A state file is a few hundred KB at most; events.jsonl's tail is read up to this.
 STATE_MAX_BYTES = 16 * 1024 * 1024
 EVENTS_TAIL_BYTES = 2 * 1024 * 1024

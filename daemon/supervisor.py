@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from gpuwarden.daemon import logsetup
@@ -31,7 +31,7 @@ from .preflight import Preflight, PreflightResult
 from .redact import Redactor
 from .settings import Settings
 from .states import HOLD_RECORDS_STATES, RELAUNCH_STATES, ServerState
-from .store import EventLog, StateStore
+from .store import EventLog, StateStore, secret_salt
 
 log = logsetup.get_logger("gpuwarden.supervisor")
 
@@ -92,12 +92,13 @@ class Supervisor:
         self._sweep: tuple[str, Callable[[], Any]] | None = None
         self._cancel_sweep: Callable[[], Awaitable[None]] | None = None
         self._save_timer: asyncio.TimerHandle | None = None
-        self._asked: tuple[str | None, bool, str | None] | None = None  # as last saved
+        self._asked: tuple[str | None, bool, str | None, str | None] | None = None  # last saved
 
     # -- the owner -------------------------------------------------------------------------------
 
     async def run(self) -> None:
         self._owner = asyncio.current_task()
+        self.machine.secret_salt = await asyncio.to_thread(secret_salt, self.settings.state_dir)
         self.host.poll_gpus()
         name, rollback = await boot.restore(
             self.machine, self.store, self.settings.stop.grace_s, self.settings.default_config
@@ -162,9 +163,14 @@ class Supervisor:
         m = self.machine
         if not m.dirty:
             return
-        # What was asked for (the intent, a swap begun or ended) is saved at once; only a
-        # relaunch's own passing states wait.
-        asked = (m.intent_config, m.intent_running, m.swap.id if m.swap is not None else None)
+        # What was asked for (the intent, a swap or sweep begun or ended) is saved at once; only
+        # a relaunch's own passing states wait.
+        asked = (
+            m.intent_config,
+            m.intent_running,
+            m.swap.id if m.swap is not None else None,
+            m.active_sweep,
+        )
         if not now and m.state in RELAUNCH_STATES and not m.finished and asked == self._asked:
             if self._save_timer is None:
                 self._save_timer = asyncio.get_running_loop().call_later(
@@ -310,11 +316,16 @@ class Supervisor:
         await msg.reply
 
     def sweep_began(
-        self, sweep_id: str, view: Callable[[], Any], cancel: Callable[[], Awaitable[None]]
+        self,
+        sweep_id: str,
+        view: Callable[[], Any],
+        cancel: Callable[[], Awaitable[None]],
+        restore_to: str | None = None,
     ) -> None:
-        """A sweep runs: `view` is its progress; `cancel` ends it (a stop wins over it)."""
+        """A sweep runs: `view` is its progress; `cancel` ends it (a stop wins over it);
+        `restore_to` is the config it ends on."""
         self._sweep, self._cancel_sweep = (sweep_id, view), cancel
-        self.post(msgs.SweepBegan(sweep_id))
+        self.post(msgs.SweepBegan(sweep_id, restore_to))
 
     def sweep_ended(self, sweep_id: str) -> None:
         if self._sweep is not None and self._sweep[0] == sweep_id:
@@ -368,5 +379,6 @@ class Supervisor:
             supervising=self.stuck() is None,
         )
 
-    def redactor_for(self, config: str | None) -> Redactor:
-        return views.redactor_for(self.snapshot(), self.configs, config)
+    def redactor_for(self, record: Mapping[str, Any] | None) -> Redactor:
+        """A redactor for the log of the launch whose history entry is `record`."""
+        return views.redactor_for(self.snapshot(), self.configs, record, self.machine.secret_salt)

@@ -61,7 +61,8 @@ class Sweep:
     current: str | None = None
     rows: list[dict[str, Any]] = field(default_factory=list)
     original: str | None = None
-    restored: str | None = None
+    restored: str | bool | None = None  # the config back, False when it is not (why: below)
+    restore_error: str | None = None
     started_at: float = field(default_factory=time.time)
     ended_at: float | None = None
     task: asyncio.Task[None] | None = None
@@ -80,6 +81,7 @@ class Sweep:
             "end_on": self.end_on,
             "original": self.original,
             "restored": self.restored,
+            "restore_error": self.restore_error,
             "winner": self.winner,
             "started_at": self.started_at,
             "ended_at": self.ended_at,
@@ -121,6 +123,7 @@ class Sweep:
             rows=list(data.get("rows") or []),
             original=data.get("original"),
             restored=data.get("restored"),
+            restore_error=data.get("restore_error"),
             started_at=float(data.get("started_at") or folder.stat().st_mtime),
             ended_at=data.get("ended_at"),
             winner=data.get("winner"),
@@ -272,6 +275,8 @@ def _notes(view: dict[str, Any]) -> list[str]:
             )
     if view.get("restored"):
         lines.append(f"restored: {view['restored']}")
+    elif view.get("restored") is False:
+        lines.append(f"not restored: {view.get('restore_error')}")
     return lines
 
 

@@ -17,7 +17,7 @@ from . import ownership
 from .configs import ConfigError, ConfigStore
 from .gpu import GpuSnapshot
 from .model import utc_iso
-from .redact import Redactor
+from .redact import Fingerprints, Redactor
 from .states import ServerState
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ class Snapshot:
     intent_running: bool
     launch_id: str | None
     launch_config: str | None
+    launch_argv: tuple[str, ...] | None  # the launch's own argv (its secrets in it: never shown)
     pid: int | None  # the running server's main process
     replacing_port: int | None  # its port (a swap's preflight lets the new config reuse it)
     started_at: float | None
@@ -90,6 +91,7 @@ def take(m: Machine) -> Snapshot:
         intent_running=m.intent_running,
         launch_id=(launch.launch_id or None) if launch else None,
         launch_config=launch.config.name if launch else None,
+        launch_argv=tuple(launch.config.argv) if launch else None,
         pid=launch.child.pid if launch and launch.child and launch.running else None,
         replacing_port=launch.config.port if launch and launch.running else None,
         started_at=launch.started_at if launch else None,
@@ -238,11 +240,19 @@ def ring_lines(snap: Snapshot, n: int) -> list[str]:
     return [snap.redactor.text(e.text) for e in snap.log.ring.tail(n)]
 
 
-def redactor_for(snap: Snapshot, configs: ConfigStore, config: str | None) -> Redactor:
-    """A redactor for an earlier launch's log: its config's secrets (if it still resolves),
-    the current launch's, and the generic key=value rules."""
-    redactor = Redactor()
-    if config:
+def redactor_for(
+    snap: Snapshot, configs: ConfigStore, record: Mapping[str, Any] | None, salt: bytes | None
+) -> Redactor:
+    """A redactor for an earlier launch's log (`record`: its history entry): the secrets it ran
+    with, known by the digests its record keeps (however its config changed since), its
+    config's current secrets (if it still resolves), the current launch's, and the generic
+    rules. Masking by digest costs a keyed hash per word-bounded window: call it off the loop
+    for many lines."""
+    record = record or {}
+    found = Fingerprints.of(salt, record.get("secrets")) if salt is not None else None
+    redactor = Redactor(fingerprints=found)
+    config = record.get("config")
+    if isinstance(config, str) and config:
         with contextlib.suppress(ConfigError):
             redactor.add(configs.load(config).secret_values())
     redactor.add(snap.redactor.secrets)

@@ -27,6 +27,7 @@ class Faults:
     invalid_utf8: bool = False  # main writes a line of bytes that are not UTF-8
     long_line_bytes: int = 0  # main writes one line this long
     progress_bars: int = 0  # extra \r progress-bar updates while loading
+    malformed_chunk: str | None = None  # a stream's first event is `data: <this>`
 
     def has(self, load_crash: str) -> bool:
         return self.crash_on_load == load_crash
@@ -122,6 +123,13 @@ def add_fault_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) ->
         metavar="N",
         help="N extra \\r progress-bar updates while loading",
     )
+    parser.add_argument(
+        "--standin-malformed-chunk",
+        default=None,
+        metavar="TEXT",
+        help="every streamed answer (OpenAI and /generate) begins with the event 'data: TEXT' "
+        "(1, not-json, [1]: not a chunk a client can read)",
+    )
 
 
 def faults_from_args(args: argparse.Namespace) -> Faults:
@@ -138,4 +146,5 @@ def faults_from_args(args: argparse.Namespace) -> Faults:
         invalid_utf8=args.standin_invalid_utf8,
         long_line_bytes=args.standin_long_line,
         progress_bars=args.standin_progress_bars,
+        malformed_chunk=args.standin_malformed_chunk,
     )

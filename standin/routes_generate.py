@@ -37,8 +37,13 @@ async def read_json(request: Request) -> dict[str, Any] | Response:
     return body
 
 
-def sse(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+def sse(items: AsyncIterator[dict[str, Any]], malformed: str | None = None) -> StreamingResponse:
+    """Server-sent events, as SGLang streams them; `malformed` (a fault): a first event that is
+    not a chunk."""
+
     async def body() -> AsyncIterator[bytes]:
+        if malformed is not None:
+            yield b"data: " + malformed.encode() + b"\n\n"
         async for item in items:
             yield b"data: " + json.dumps(item).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
@@ -49,6 +54,7 @@ def sse(items: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 def generate_routes(server: StandinServer) -> list[Route]:
     pieces = server.args.standin_token_text == "pieces"
     never_usage = server.args.standin_stream_usage == "never"
+    malformed = server.args.standin_malformed_chunk
 
     def length(max_new: int, ignore_eos: Any) -> tuple[int, str]:
         """(tokens to generate, finish reason): EOS comes first unless ignored."""
@@ -93,7 +99,7 @@ def generate_routes(server: StandinServer) -> list[Route]:
                 }
 
         if body.get("stream"):
-            return sse(run())
+            return sse(run(), malformed)
         last: dict[str, Any] = {}
         async for item in run():
             last = item
@@ -185,7 +191,7 @@ def generate_routes(server: StandinServer) -> list[Route]:
                         "usage": usage(done),
                     }
 
-            return sse(chunks())
+            return sse(chunks(), malformed)
         done = 0
         text = ""
         async for n in server.engine.generate(prompt_tokens, max_new):

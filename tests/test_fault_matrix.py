@@ -5,10 +5,12 @@ Rows: every stand-in fault; an exit-2 config error; the port in use; a foreign G
 log dir not writable; a full disk (a file-size limit); a corrupt state file at start; the daemon
 SIGKILLed, then started again; concurrent swaps and a stop; a webhook that hangs or fails; a
 sweep through a crashing and a refused config; a flood and a crash with /logs/stream clients
-that read nothing; twelve preflights at once (one parser build, two introspections at a time);
-300 idle sockets at the connection cap (probes and a stop still answered); a FIFO and a
-512 MiB file as a saved dump and as a sweep's record; a broken config asked for again and again;
-twenty /logs?lines=100000 at once."""
+that read nothing; a sweep's server that crashes during its load, that streams malformed chunks,
+or a 400 MiB line with no newline; the daemon SIGKILLed mid-sweep; a token file replaced by a
+FIFO or a huge file; a secret-salt file that is a FIFO; twelve preflights at once (one parser
+build, two introspections at a time); 300 idle sockets at the connection cap (probes and a stop
+still answered); a FIFO and a 512 MiB file as a saved dump and as a sweep's record; a broken
+config asked for again and again; twenty /logs?lines=100000 at once."""
 
 from __future__ import annotations
 
@@ -1098,3 +1100,169 @@ def test_big_log_answers_are_built_off_the_loop(
         loop_after - loop_before,
         all_after - all_before,
     )
+
+
+def sweep_ended(d: Daemon, sid: str, timeout: float = 90) -> dict[str, Any]:
+    """The sweep's view once its whole answer is in (the restore included)."""
+    wait_until(
+        lambda: d.http.get(f"/sweeps/{sid}").json().get("ended_at") is not None,
+        timeout,
+        f"sweep {sid} to end",
+        step=0.1,
+    )
+    view: dict[str, Any] = d.http.get(f"/sweeps/{sid}").json()
+    return view
+
+
+def test_a_server_that_crashes_during_its_sweep_load_is_failed_and_cannot_win(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """The config's scheduler dies 2 s into its 4 s load (its first requests were answered):
+    the row is failed with the reason, the config cannot win, and its rollback is waited for
+    before the restore. Before, a row was ok when any request was answered."""
+    port = free_port()
+    cfgs = {
+        "base": standin_config(port=port),
+        "crashy": standin_config("--standin-crash-after=2", port=port),
+    }
+    d = start_daemon(procs, tmp_path, fake_gpu, cfgs, default="base")
+    d.wait_state("ready")
+    body = {"configs": ["crashy", "base"], "requests": 12, "warmup": 0, "max_tokens": 30}
+    sid = d.http.post("/sweeps", json=body).json()["id"]
+    view = sweep_ended(d, sid)
+    rows = {r["config"]: r for r in view["rows"]}
+    crashy = rows["crashy"]
+    assert crashy["requests_ok"] >= 1, crashy  # answered before the crash: ok, before
+    assert crashy["status"] == "failed" and crashy["reason"] == "server_crashed", crashy
+    assert f"launch {crashy['launch_id']} did not serve the whole load" in crashy["evidence"]
+    assert rows["base"]["status"] == "ok", rows["base"]
+    assert view["winner"] == "base" and view["restored"] == "base", view
+    assert d.status()["config"] == "base" and d.status()["state"] == "ready"
+    assert d.status()["last_good_config"] == "base"
+
+
+def test_a_malformed_stream_chunk_fails_its_row_and_the_sweep_goes_on_and_restores(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """Servers whose streams begin with `data: 1` (a JSON non-object) or `data: not-json`:
+    each request fails with the reason, the sweep goes on and the previous config serves
+    again. Before, `data: 1` raised out of the load: the sweep failed and nothing restored."""
+    port = free_port()
+    cfgs = {
+        "base": standin_config(port=port),
+        "one": standin_config("--standin-malformed-chunk=1", port=port),
+        "text": standin_config("--standin-malformed-chunk=not-json", port=port),
+    }
+    d = start_daemon(procs, tmp_path, fake_gpu, cfgs, default="base")
+    d.wait_state("ready")
+    body = {"configs": ["one", "text"], "requests": 2, "warmup": 0, "max_tokens": 10}
+    sid = d.http.post("/sweeps", json=body).json()["id"]
+    view = sweep_ended(d, sid)
+    assert view["state"] == "done", view
+    rows = {r["config"]: r for r in view["rows"]}
+    assert [r["status"] for r in view["rows"]] == ["failed", "failed"], view["rows"]
+    assert rows["one"]["reason"] == "load_failed"
+    assert "a stream chunk is not a JSON object: '1'" in rows["one"]["evidence"], rows["one"]
+    assert "a stream chunk is not JSON: 'not-json'" in rows["text"]["evidence"], rows["text"]
+    assert rows["one"]["requests_failed"] == 2 and view["winner"] is None
+    assert view["restored"] == "base"
+    assert d.status()["config"] == "base" and d.status()["state"] == "ready"
+
+
+def test_a_daemon_killed_mid_sweep_serves_the_original_again_and_keeps_its_last_good(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """SIGKILL while the sweep measures `b` (probation 0: a swap is last-good once ready):
+    `b` never becomes last-good, and the next life lists the sweep as interrupted and starts
+    `base` again. Before, `b` was last-good and served on."""
+    port = free_port()
+    cfgs = {"base": standin_config(port=port), "b": standin_config(port=port)}
+    setup = {"default": "base", "restart": {"probation_s": 0}}
+    d = start_daemon(procs, tmp_path, fake_gpu, cfgs, **setup)
+    d.wait_state("ready")
+    body = {"configs": ["b"], "requests": 100, "warmup": 0, "max_tokens": 200}
+    sid = d.http.post("/sweeps", json=body).json()["id"]
+    d.wait_event("server.sweep_progress", sweep_id=sid, config="b")
+    wait_until(
+        lambda: (st := d.status())["config"] == "b" and st["state"] == "ready",
+        30,
+        "b to serve",
+        step=0.05,
+    )
+    assert d.status()["last_good_config"] == "base"
+    old_pid = d.status()["pid"]
+    d.proc.signal(signal.SIGKILL)
+    d.proc.wait(10)
+    again = start_daemon(procs, tmp_path, fake_gpu, cfgs, **setup)
+    said = again.wait_event("server.sweep_interrupted", sweep_id=sid)
+    assert said["restore_to"] == "base"
+    again.wait_state("ready", timeout=60)
+    st = again.status()
+    assert (st["config"], st["last_good_config"]) == ("base", "base"), st
+    assert not alive(old_pid)
+    listed = {s["id"]: s for s in again.http.get("/sweeps").json()["sweeps"]}
+    assert listed[sid]["state"] == "interrupted"
+    assert again.http.post("/restart", params={"config": "base"}).status_code == 202
+
+
+def vm_hwm_bytes(pid: int) -> int:
+    """The peak resident set of a process (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_sweep_reads_a_400_mib_line_with_no_newline_within_a_bound(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """A measured server streams `data: ` and 400 MiB with no newline: the request fails on
+    the line's cap, and the daemon's peak memory stays far below the line. Before, the line was
+    read whole (124 MB -> 1.28 GB)."""
+    port = free_port()
+    hostile = {
+        "command": [PY, str(Path(__file__).with_name("hostile_http.py"))],
+        "args": {"port": port, "line-mib": 400},
+        "health": {"startup_timeout_s": 30, "interval_s": 0.2, "timeout_s": 2, "failures": 3},
+    }
+    cfgs = {"base": standin_config(), "hostile": hostile}
+    d = start_daemon(procs, tmp_path, fake_gpu, cfgs, default="base")
+    d.wait_state("ready")
+    body = {"configs": ["hostile"], "requests": 1, "warmup": 0, "max_tokens": 10}
+    sid = d.http.post("/sweeps", json=body).json()["id"]
+    view = sweep_ended(d, sid)
+    row = view["rows"][0]
+    assert row["status"] == "failed" and row["reason"] == "load_failed", row
+    assert "a line of the stream is longer than 1048576 bytes" in row["evidence"], row
+    peak = vm_hwm_bytes(d.proc.pid)
+    assert peak < 350 * (1 << 20), f"the daemon's peak RSS was {peak >> 20} MiB"
+    assert view["restored"] == "base" and d.status()["config"] == "base"
+
+
+def test_token_file_replaced_by_a_fifo_or_a_huge_file_keeps_the_token(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, token_file=with_token(tmp_path))
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    token = tmp_path / "token"
+    mark = d.mark()
+    token.unlink()
+    os.mkfifo(token)  # no writer: a plain read would block the control plane for good
+    assert d.http.get("/status", headers=auth, timeout=10).status_code == 200
+    d.wait_event("api.token_unreadable", after=mark)
+    token.unlink()
+    token.write_bytes(b"x" * (1024 * 1024))
+    assert d.http.get("/status", headers=auth, timeout=10).status_code == 200
+    token.write_text("next-token\n")
+    assert d.http.get("/status", headers={"Authorization": "Bearer next-token"}).status_code == 200
+
+
+def test_secret_salt_that_is_a_fifo_blocks_nothing(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    (tmp_path / "state").mkdir(parents=True, exist_ok=True)
+    os.mkfifo(tmp_path / "state" / "secret-salt")  # no writer: a plain read blocks for good
+    d = start_daemon(procs, tmp_path, fake_gpu, {"svc": standin_config()}, default="svc")
+    d.wait_state("ready")
+    assert d.http.get("/logs").status_code == 200
+    assert (tmp_path / "state" / "secret-salt").is_fifo()  # left alone

@@ -478,3 +478,43 @@ def test_at_the_cap_the_oldest_waiting_connection_makes_room(
         stream.settimeout(0.5)  # the stream is still open and still the daemon's to answer
         with contextlib.suppress(TimeoutError):
             assert stream.recv(65536) != b""
+
+
+def test_a_rotated_token_file_takes_effect_without_a_restart(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, token_file=with_token(tmp_path))
+    pid = d.proc.popen.pid
+    assert d.http.get("/status", headers=AUTH).status_code == 200
+    new = {"Authorization": "Bearer rotated-token-2"}
+    assert d.http.get("/status", headers=new).status_code == 401
+    # Rotated the usual way: a new file renamed over the old one.
+    (tmp_path / "token.new").write_text("rotated-token-2\n")
+    os.replace(tmp_path / "token.new", tmp_path / "token")
+    assert d.http.get("/status", headers=new).status_code == 200
+    assert d.http.get("/status", headers=AUTH).status_code == 401
+    assert d.http.post("/chat", json={"text": "status"}, headers=new).status_code == 200
+    assert d.http.post("/chat", json={"text": "status"}, headers=AUTH).status_code == 401
+    # A botched rotation (an empty file) keeps the token in force, with one warning.
+    mark = d.mark()
+    (tmp_path / "token.new").write_text("")
+    os.replace(tmp_path / "token.new", tmp_path / "token")
+    for _ in range(3):
+        assert d.http.get("/status", headers=new).status_code == 200
+    warning = d.wait_event("api.token_unreadable", after=mark)
+    assert "previous token stays in force" in warning["detail"]
+    assert sum('"api.token_unreadable"' in line for _, line in d.proc.lines[mark:]) == 1
+    assert d.proc.popen.pid == pid and d.proc.popen.poll() is None
+
+
+def test_chat_takes_the_bearer_scheme_in_any_case(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    d = start_daemon(procs, tmp_path, fake_gpu, {}, token_file=with_token(tmp_path))
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        headers = {"Authorization": f"{scheme} {TOKEN}"}
+        assert d.http.get("/status", headers=headers).status_code == 200, scheme
+        res = d.http.post("/chat", json={"text": "status"}, headers=headers)
+        assert res.status_code == 200, (scheme, res.text)
+    res = d.http.post("/chat", json={"text": "status"}, headers={"Authorization": "bearer wrong"})
+    assert res.status_code == 401

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
+import re
 import signal
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from .conftest import PY, Proc, free_port, wait_until
 from .daemon_harness import standin_config, start_daemon
@@ -80,6 +83,8 @@ def test_a_sweep_runs_unattended_and_answers(
     assert sweep["winner"] == "baseline"
     st = d.status()
     assert st["config"] == "baseline" and st["state"] == "ready" and st["sweep"] is None
+    # Each swap away from a config on probation passed it; a swept config's never counts.
+    assert st["last_good_config"] == "baseline"
     md = d.http.get(f"/sweeps/{sid}/table.md").text
     assert (
         "| eagle3_cg_5 |" in md
@@ -342,3 +347,157 @@ def test_the_benchmarks_python_is_command0_or_its_scripts_shebang(tmp_path: Path
     other.write_text("#!/bin/sh\nexit 0\n")
     with pytest.raises(BenchError, match="not a Python interpreter"):
         interpreter([str(other)], {})
+
+
+def run_cli_sweep(d: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*SWEEP_CLI, *args, "--url", d.url],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+
+
+@pytest.mark.timeout(180)
+def test_the_restore_waits_for_the_last_configs_rollback(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """The last config crashes during its load and the machine rolls back to `base`, which
+    takes seconds to start: the restore waits for that rollback to settle, and says `base`
+    is back. Before, its restart was refused (a swap under way), silently: `restored` null."""
+    port = free_port()
+    cfgs = {
+        "base": standin_config(port=port, scale=0.3),
+        "crashy": standin_config("--standin-crash-after=1", port=port),
+    }
+    d = start_daemon(procs, tmp_path, fake_gpu, cfgs, default="base")
+    d.wait_state("ready", timeout=60)
+    res = run_cli_sweep(d, "crashy", "--requests=30", "--warmup=0", "--max-tokens=30")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert "restored: base" in res.stdout, res.stdout
+    st = d.status()
+    assert (st["config"], st["state"]) == ("base", "ready"), st
+
+
+@pytest.mark.timeout(180)
+def test_a_sweep_whose_original_config_cannot_return_says_so_and_the_cli_fails(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """`base` is edited during the sweep into a config that cannot load: the restore's swap
+    rolls back to the swept config. The record says `base` is not back, and why; the CLI exits
+    1 saying so. Before, `restored` named `base` while `b` served, and the CLI exited 0."""
+    port = free_port()
+    cfgs = {"base": standin_config(port=port), "b": standin_config(port=port)}
+    d = start_daemon(
+        procs, tmp_path, fake_gpu, cfgs, default="base", restart={"initial_delay_s": 30}
+    )
+    d.wait_state("ready")
+    cli = subprocess.Popen(
+        [*SWEEP_CLI, "b", "--requests=3", "--warmup=0", "--max-tokens=90", "--url", d.url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        d.wait_event("server.sweep_progress", config="b")
+        broken = standin_config("--standin-crash-on-load=cuda_oom", port=port)
+        (tmp_path / "configs" / "base.yaml").write_text(yaml.safe_dump(broken))
+        out, err = cli.communicate(timeout=120)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    assert cli.returncode == 1, (out, err)
+    assert "not restored: base is not serving: rolled_back: cuda_oom" in err, err
+    assert "not restored: base is not serving" in out, out
+    view = d.http.get("/sweeps").json()["sweeps"][-1]
+    record = d.http.get(f"/sweeps/{view['id']}").json()
+    assert record["restored"] is False and "cuda_oom" in record["restore_error"], record
+    assert d.status()["config"] == "b"
+
+
+def test_a_config_with_an_api_key_is_measured_with_it_and_the_key_is_never_recorded(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """The server asks for `Authorization: Bearer KEY` (SGLang's --api-key): the sweep's
+    client sends the key of the launch's argv, and the key is in no file, record or log line.
+    Before, every request got 401."""
+    key = "sk-sweep-7f3a9c1e"
+    port = free_port()
+    cfgs = {
+        "base": standin_config(port=port),
+        "keyed": standin_config(f"--api-key={key}", port=port),
+    }
+    d = start_daemon(procs, tmp_path, fake_gpu, cfgs, default="base")
+    d.wait_state("ready")
+    view = sweep_of(d, {"configs": ["keyed"], "requests": 2, "warmup": 0, "max_tokens": 10})
+    row = view["rows"][0]
+    assert row["status"] == "ok" and row["requests_ok"] == 2, row
+    assert view["restored"] == "base"
+    folder = Path(view["folder"])
+    written = [p.read_bytes() for p in folder.iterdir() if p.is_file()]
+    written.append((tmp_path / "state" / "events.jsonl").read_bytes())
+    written.append(d.proc.text().encode())
+    assert written and all(key.encode() not in blob for blob in written)
+    assert key not in d.http.get(f"/sweeps/{view['id']}").text
+
+
+def test_the_api_key_is_read_from_the_argv_as_argparse_reads_it() -> None:
+    from gpuwarden.daemon.sweep import auth_headers, flag_value  # noqa: PLC0415
+
+    assert flag_value(["sglang", "--api-key", "a", "--port", "1"], "--api-key") == "a"
+    assert flag_value(["sglang", "--api-key=b=c"], "--api-key") == "b=c"
+    assert flag_value(["sglang", "--api-key", "a", "--api-key=z"], "--api-key") == "z"
+    assert flag_value(["sglang", "--api-keys", "a"], "--api-key") is None
+    assert flag_value(["sglang", "--api-key"], "--api-key") is None
+    assert auth_headers(["s", "--api-key", "k"]) == {"Authorization": "Bearer k"}
+    assert auth_headers(["s"]) == {}
+
+
+@pytest.mark.parametrize(
+    ("payload", "why"),
+    [
+        ("1", "a stream chunk is not a JSON object: '1'"),
+        ("[1]", "a stream chunk is not a JSON object: '[1]'"),
+        ("not-json", "a stream chunk is not JSON: 'not-json'"),
+        ('{"choices": [1]}', "a stream chunk's choices are not objects"),
+        ('{"choices": "x"}', "a stream chunk's choices are not objects"),
+        ('{"usage": 5}', "a stream chunk's usage is not an object"),
+        ('{"usage": {"completion_tokens": "5"}}', "token count is not a number"),
+        ('{"choices": [{"delta": "x"}]}', "a stream chunk's delta is not an object"),
+        ('{"error": {"message": "boom"}}', "the server sent an error in the stream: 'boom'"),
+    ],
+)
+def test_a_chunk_that_is_not_a_chunk_is_refused_with_its_reason(payload: str, why: str) -> None:
+    from gpuwarden.daemon.load import AnswerError, read_chunk  # noqa: PLC0415
+
+    with pytest.raises(AnswerError, match=re.escape(why)):
+        read_chunk(payload)
+    chunk = '{"choices": [{"delta": {"content": "hi"}, "finish_reason": "length"}]}'
+    assert read_chunk(chunk) == (None, "length", True)
+    assert read_chunk('{"choices": [], "usage": {"completion_tokens": 7}}') == (7, None, False)
+
+
+def test_lines_are_split_across_reads_and_a_long_one_stops_the_reading() -> None:
+    import httpx  # noqa: PLC0415
+
+    from gpuwarden.daemon.load import AnswerError, lines  # noqa: PLC0415
+
+    served: list[int] = []
+
+    async def body(parts: list[bytes]) -> Any:
+        for part in parts:
+            served.append(len(part))
+            yield part
+
+    async def read(parts: list[bytes], limit: int) -> list[str]:
+        response = httpx.Response(200, content=body(parts))
+        return [line async for line in lines(response, limit)]
+
+    assert asyncio.run(read([b"da", b"ta: 1\r\n\nda", b"ta: 2"], 16)) == ["data: 1", "", "data: 2"]
+    served.clear()
+    endless = [b"data: " + b"x" * 10] * 1000
+    with pytest.raises(AnswerError, match="longer than 64 bytes"):
+        asyncio.run(read(endless, 64))
+    assert len(served) < 10  # not read on to the end

@@ -14,7 +14,7 @@ const TIMELINE_KINDS = new Set([
   "launch", "exit", "swap", "restart", "swap_settled", "rollback", "crash_loop",
   "probation_passed", "preflight_refused", "death_announced", "gpu_orphans_killed",
   "sweep_started", "sweep_finished", "sweep_restored", "state_file_corrupt", "internal_error",
-  "swap_resumed",
+  "swap_resumed", "sweep_restore_failed", "sweep_interrupted",
 ]);
 
 let token = sessionStorage.getItem(TOKEN_KEY);
