@@ -16,6 +16,7 @@ from gpuwarden.api.auth import bearer_of, token_matches
 from gpuwarden.api.deps import SettingsDep, SupervisorDep
 from gpuwarden.api.files import read_file
 from gpuwarden.api.models import DumpName, errors
+from gpuwarden.daemon import logsetup
 from gpuwarden.daemon.chat import (
     HELP,
     build_dump,
@@ -25,6 +26,7 @@ from gpuwarden.daemon.chat import (
     slack_reply,
 )
 
+log = logsetup.get_logger("gpuwarden.api")
 router = APIRouter(tags=["chat"])
 public = APIRouter(tags=["chat"])
 
@@ -34,6 +36,7 @@ class ChatReply(BaseModel):
     trigger: str | None = None
     dump: dict[str, Any] | None = None
     saved: str | None = None
+    not_saved: str | None = None  # why the dump could not be saved (it is in this reply)
 
 
 class ChatMessage(BaseModel):
@@ -137,11 +140,24 @@ async def chat(
             else ChatReply(text=reply).model_dump()
         )
     dump = await build_dump(supervisor, why=f"chat: {text[:80]!r}")
-    saved = await asyncio.to_thread(save_dump, settings.state_dir, dump, settings.retention.dumps)
-    body = chat_text(dump, saved)
+    saved, unsaved = None, None
+    try:
+        saved = await asyncio.to_thread(
+            save_dump, settings.state_dir, dump, settings.retention.dumps
+        )
+    except OSError as exc:  # a full or read-only state dir: the dump is answered all the same
+        unsaved = f"{exc.strerror or exc}: {exc.filename or settings.state_dir / 'dumps'}"
+        log.warning("chat.dump_not_saved", error=unsaved)
+    body = chat_text(dump, saved, unsaved)
     if slack:
         return JSONResponse(slack_reply(body))
-    return ChatReply(text=body, trigger=trigger, dump=dump.data, saved=saved.stem)
+    return ChatReply(
+        text=body,
+        trigger=trigger,
+        dump=dump.data,
+        saved=saved.stem if saved else None,
+        not_saved=unsaved,
+    )
 
 
 @router.get(

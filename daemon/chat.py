@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -237,19 +238,38 @@ def render_text(d: dict[str, Any], tail_lines: int = TAIL_LINES, max_line: int =
 
 def save_dump(state_dir: Path, dump: Dump, keep: int | None = None) -> Path:
     """Save the dump (`NAME.txt` and `NAME.json` in state_dir/dumps); with `keep`, only the
-    newest `keep` saved dumps stay (the one just saved always does)."""
+    newest `keep` saved dumps stay (the one just saved always does). Each dump gets a name of
+    its own: dumps made in the same second are `NAME`, `NAME-2`, ..., each claimed with
+    O_EXCL, so concurrent saves never overwrite one another. OSError when it cannot be saved;
+    nothing half-written is left then."""
     folder = state_dir / "dumps"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{dump.name}.txt"
-    n = 1
-    while path.exists():
-        n += 1
-        path = folder / f"{dump.name}-{n}.txt"
-    path.write_text(dump.text + "\n")
-    path.with_suffix(".json").write_text(json.dumps(dump.data, indent=1, default=str))
+    path = _claim(folder, dump.name)
+    try:
+        with path.open("w") as f:
+            f.write(dump.text + "\n")
+        path.with_suffix(".json").write_text(json.dumps(dump.data, indent=1, default=str))
+    except BaseException:
+        for part in (path, path.with_suffix(".json")):
+            with contextlib.suppress(OSError):
+                part.unlink()
+        raise
     if keep is not None:
         prune_dumps(folder, keep, path)
     return path
+
+
+def _claim(folder: Path, name: str) -> Path:
+    """A new, empty `folder/NAME[-N].txt` that no other save can have claimed."""
+    n = 1
+    while True:
+        path = folder / (f"{name}.txt" if n == 1 else f"{name}-{n}.txt")
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:
+            n += 1
+            continue
+        return path
 
 
 def prune_dumps(folder: Path, keep: int, current: Path | None = None) -> list[str]:
@@ -268,16 +288,19 @@ def prune_dumps(folder: Path, keep: int, current: Path | None = None) -> list[st
     return [p.stem for p in old]
 
 
-def chat_text(dump: Dump, saved: Path | None) -> str:
+def chat_text(dump: Dump, saved: Path | None, unsaved: str | None = None) -> str:
     """The dump sized for chat (the last lines, each cut short), with a note naming the saved
-    dump when anything was cut."""
+    dump when anything was cut; when it could not be saved, a note that says so and why."""
     text = render_text(dump.data, tail_lines=CHAT_TAIL_LINES, max_line=CHAT_LINE)
-    ref = f"\n(the whole dump: GET /dumps/{saved.stem if saved else dump.name})"
+    if saved is None:
+        note = f"\n(this dump was not saved: {unsaved or 'unknown error'})"
+        if len(text) + len(note) <= CHAT_LIMIT:
+            return text + note
+        return text[: CHAT_LIMIT - len(note) - 2] + "\n…" + note
+    ref = f"\n(the whole dump: GET /dumps/{saved.stem})"
     if len(text) + len(ref) <= CHAT_LIMIT:
         return text + (ref if text != dump.text else "")
-    note = (
-        f"\n… cut to fit the chat; the whole dump: GET /dumps/{saved.stem if saved else dump.name}"
-    )
+    note = f"\n… cut to fit the chat; the whole dump: GET /dumps/{saved.stem}"
     return text[: CHAT_LIMIT - len(note)] + note
 
 

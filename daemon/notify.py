@@ -112,14 +112,14 @@ class Webhooks:
 
     async def _send(self, client: httpx.AsyncClient, kind: str, text: str) -> None:
         dump = await build_dump(self.sup, why=kind)
-        saved = None
-        with contextlib.suppress(OSError):
+        head = f"gpuwarden: {text}\n{dump.head(4)}"
+        try:
             saved = await asyncio.to_thread(
                 save_dump, self.sup.settings.state_dir, dump, self.sup.settings.retention.dumps
             )
-        head = f"gpuwarden: {text}\n{dump.head(4)}"
-        if saved is not None:
             head += f"\n(the whole dump: GET /dumps/{saved.stem})"
+        except OSError as exc:  # the dump still goes out, whole, in the post's `dump`
+            head += f"\n(this dump was not saved: {exc.strerror or exc})"
         await asyncio.gather(
             *(
                 self._deliver(client, i, hook, kind=kind, text=head, dump=dump.data)

@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -335,3 +336,26 @@ def test_slack_signature_without_a_bearer_token(
     legacy = urlencode({"text": "server crashed", "token": "legacy"}).encode()
     assert d.http.post("/chat", content=legacy, headers=plain).status_code == 200
     assert d.http.post("/chat", json={"text": "server crashed"}).status_code == 401
+
+
+def test_concurrent_triggers_each_save_a_dump_of_their_own(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """Thirty 'server crashed' at once, mostly in the same second: thirty dumps, none
+    overwritten (each name claimed with O_EXCL)."""
+    d = crashed(procs, tmp_path, fake_gpu)
+
+    def trigger(i: int) -> str:
+        with httpx.Client(base_url=d.url, timeout=60, trust_env=False) as c:
+            res = c.post("/chat", json={"text": f"server crashed {i}"})
+            assert res.status_code == 200, res.text
+            saved: str = res.json()["saved"]
+            return saved
+
+    with ThreadPoolExecutor(30) as pool:
+        names = list(pool.map(trigger, range(30)))
+    assert len(set(names)) == 30
+    folder = tmp_path / "state" / "dumps"
+    assert sorted(p.stem for p in folder.glob("*.txt")) == sorted(names)
+    for i in range(30):  # each file holds the dump of the request that named it
+        assert sum(f"server crashed {i}'" in (folder / f"{n}.txt").read_text() for n in names) == 1

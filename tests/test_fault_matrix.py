@@ -10,7 +10,8 @@ or a 400 MiB line with no newline; the daemon SIGKILLed mid-sweep; a token file 
 FIFO or a huge file; a secret-salt file that is a FIFO; twelve preflights at once (one parser
 build, two introspections at a time); 300 idle sockets at the connection cap (probes and a stop
 still answered); a FIFO and a 512 MiB file as a saved dump and as a sweep's record; a broken
-config asked for again and again; twenty /logs?lines=100000 at once."""
+config asked for again and again; twenty /logs?lines=100000 at once; 'server crashed' with a
+dumps folder that cannot be written."""
 
 from __future__ import annotations
 
@@ -1266,3 +1267,35 @@ def test_secret_salt_that_is_a_fifo_blocks_nothing(
     d.wait_state("ready")
     assert d.http.get("/logs").status_code == 200
     assert (tmp_path / "state" / "secret-salt").is_fifo()  # left alone
+
+
+def test_server_crashed_with_an_unwritable_dumps_folder_answers_the_dump_unsaved(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """The dumps folder is a regular file (root ignores permissions; a file in its place stops
+    anyone): 'server crashed' still answers 200 with the whole dump, says it was not saved and
+    why, and the daemon goes on."""
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"oom": standin_config("--standin-crash-on-load=cuda_oom")},
+        default="oom",
+        restart={"initial_delay_s": 60},
+    )
+    d.wait_state("backoff", reason="cuda_oom")
+    (tmp_path / "state" / "dumps").write_text("not a folder\n")
+    res = d.http.post("/chat", json={"text": "server crashed"})
+    assert res.status_code == 200, res.text
+    body = res.json()
+    assert body["saved"] is None
+    assert "File exists" in body["not_saved"] and "dumps" in body["not_saved"]
+    assert body["dump"]["last_exit"]["reason"] == "cuda_oom"
+    assert "last exit: cuda_oom" in body["text"]
+    assert f"(this dump was not saved: {body['not_saved']})" in body["text"]
+    assert "GET /dumps/" not in body["text"]
+    assert (tmp_path / "state" / "dumps").read_text() == "not a folder\n"
+    mark = d.mark()
+    assert d.http.post("/restart").status_code == 202
+    d.wait_event("server.exit", after=mark, reason="cuda_oom", timeout=30)
+    assert d.status()["state"] == "backoff"
