@@ -131,9 +131,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
         _print_json(data)
         return 0
     for line in data["lines"]:
-        print(line)
+        print(render.safe(line))
     if data.get("note"):
-        print(f"({data['note']})", file=sys.stderr)
+        print(f"({render.safe(data['note'])})", file=sys.stderr)
     return 0
 
 
@@ -149,7 +149,7 @@ def _follow(args: argparse.Namespace) -> int:
                 if raw.startswith("event: "):
                     event = raw[7:]
                 elif raw.startswith("data: "):
-                    text = raw[6:]
+                    text = render.safe(raw[6:])
                     print(text if event == "line" else f"({text})", flush=True)
     except ConnectFailed as exc:
         raise ClientError(f"cannot reach the daemon at {args.url}: {exc}") from exc
@@ -286,7 +286,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_dump(args: argparse.Namespace) -> int:
     headers = {"Accept": "application/json"} if args.json else {}
     res = call(args, "GET", "/dump", headers=headers)
-    print(res.text)
+    if args.json:
+        _print_json(res.json())  # re-encoded: C1 controls come raw in the daemon's JSON
+    else:
+        print("\n".join(render.safe(line) for line in res.text.rstrip("\n").split("\n")))
     return 0
 
 

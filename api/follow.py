@@ -144,7 +144,12 @@ def restart_waiting(args: argparse.Namespace, params: dict[str, Any]) -> dict[st
 def event_row(e: dict[str, Any]) -> tuple[str, str, str, str]:
     rest = {k: v for k, v in e.items() if k not in ("seq", "ts", "event", "config", "launch_id")}
     summary = " ".join(f"{k}={v}" for k, v in rest.items())
-    return str(e.get("ts", ""))[11:23], e["event"], str(e.get("config") or ""), summary[:110]
+    return (
+        str(e.get("ts", ""))[11:23],
+        render.safe(str(e["event"])),
+        render.safe(str(e.get("config") or "")),
+        render.safe(summary[:110]),
+    )
 
 
 def follow_events(args: argparse.Namespace, shown: list[dict[str, Any]]) -> int:

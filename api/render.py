@@ -7,12 +7,15 @@ stream is a terminal, `NO_COLOR` is unset and `TERM` is not `dumb`; piped output
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import IO
 
 RESET = "\x1b[0m"
+# C0 controls but the tab, DEL, and C1 controls (U+0080-U+009F: U+009B is a CSI on its own)
+CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 STYLES = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33", "cyan": "36"}
 STATE_STYLE = {
     "ready": "green",
@@ -116,3 +119,11 @@ def fit(text: str, width: int | None = None) -> str:
     width = width or shutil.get_terminal_size((100, 24)).columns
     text = text.replace("\r", " ").replace("\n", " ")
     return text if len(text) < width else text[: max(0, width - 2)] + "…"
+
+
+def safe(text: str) -> str:
+    """`text` with its control characters (all but the tab) written out as `\\xNN`: a server's
+    line can carry escape sequences that would rewrite the terminal (its title, the screen,
+    the clipboard), and printed raw they would. Applied to every line of a log, an event or a
+    dump the CLI prints as text, terminal or not (`--json` escapes them already)."""
+    return CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)

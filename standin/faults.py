@@ -26,6 +26,7 @@ class Faults:
     flood_lines: int = 0  # main writes this many lines right after ready
     invalid_utf8: bool = False  # main writes a line of bytes that are not UTF-8
     long_line_bytes: int = 0  # main writes one line this long
+    escape_sequences: bool = False  # main writes a line of terminal escape sequences
     progress_bars: int = 0  # extra \r progress-bar updates while loading
     malformed_chunk: str | None = None  # a stream's first event is `data: <this>`
 
@@ -117,6 +118,12 @@ def add_fault_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) ->
         help="write one line of BYTES bytes after ready (1048576 for 1 MiB)",
     )
     parser.add_argument(
+        "--standin-escape-sequences",
+        action="store_true",
+        help="write a line of terminal escape sequences (title, clear screen, colour, a C1 "
+        "CSI) after ready",
+    )
+    parser.add_argument(
         "--standin-progress-bars",
         type=int,
         default=0,
@@ -147,4 +154,5 @@ def faults_from_args(args: argparse.Namespace) -> Faults:
         long_line_bytes=args.standin_long_line,
         progress_bars=args.standin_progress_bars,
         malformed_chunk=args.standin_malformed_chunk,
+        escape_sequences=args.standin_escape_sequences,
     )

@@ -3,7 +3,8 @@
 `warmup` is SGLang's: wait for the info route to answer, then an 8-token ``/generate``; a
 failure logs ``Initialization failed`` and kills the tree. Its end marks the server ``Up``,
 prints the ready line and tells the children; `output_faults` then writes what
-``--standin-flood``, ``--standin-invalid-utf8`` and ``--standin-long-line`` ask.
+``--standin-flood``, ``--standin-invalid-utf8``, ``--standin-long-line`` and
+``--standin-escape-sequences`` ask.
 """
 
 from __future__ import annotations
@@ -79,4 +80,8 @@ def output_faults(server: StandinServer) -> None:
         out.write(b"[%s] invalid bytes: \xff\xfe\xc3\x28 \x80 end\n" % stamp)
     if faults.long_line_bytes:
         out.write(b"[%s] long line: %s\n" % (stamp, b"L" * faults.long_line_bytes))
+    if faults.escape_sequences:  # a window title, clear screen, red, reset, a C1 CSI (UTF-8)
+        out.write(
+            b"[%s] hostile: \x1b]0;pwned\x07\x1b[2J\x1b[31mred\x1b[0m \xc2\x9b1m end\n" % stamp
+        )
     out.flush()

@@ -15,7 +15,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from .conftest import PY, Proc, free_port, require_tool
+from .conftest import PY, Proc, free_port, require_tool, wait_until
 from .daemon_harness import Daemon, standin_config, start_daemon
 
 
@@ -424,3 +424,26 @@ def test_bash_completion_is_made_from_the_parser(tmp_path: Path) -> None:
     assert complete(f"gpuwarden status --settings {tmp_path}/sett") == [f"{tmp_path}/settings.yaml"]
     zsh = cli("completion", "zsh")
     assert zsh.returncode == 0 and "bashcompinit" in zsh.stdout and "complete -F" in zsh.stdout
+
+
+def test_logs_and_dump_print_the_servers_control_characters_escaped(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """A server line with escape sequences (a window title, clear screen, colour, a C1 CSI)
+    prints as text that cannot act on a terminal; the tab stays a tab."""
+    d = start_daemon(
+        procs, tmp_path, fake_gpu, {"e": standin_config("--standin-escape-sequences")}, default="e"
+    )
+    d.wait_state("ready")
+    log_file = Path(d.status()["log_file"])
+    wait_until(lambda: b"hostile:" in log_file.read_bytes(), 30, "the escape line")
+    assert b"\x1b]0;pwned\x07" in log_file.read_bytes()  # the file keeps what the server wrote
+    shown = r"hostile: \x1b]0;pwned\x07\x1b[2J\x1b[31mred\x1b[0m \x9b1m end"
+    for args in (("logs", "-n", "500"), ("dump",)):
+        res = cli(*args, "--url", d.url)
+        assert res.returncode == 0, res.stderr
+        assert shown in res.stdout, args
+        assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", res.stdout), args
+    res = cli("dump", "--json", "--url", d.url)
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", res.stdout)
+    assert any("\x1b]0;pwned\x07" in t for t in json.loads(res.stdout)["log_tail"])
