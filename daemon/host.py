@@ -277,6 +277,7 @@ class Host(GpuWatch):
                 on_lines=lambda lines, parsed: self._on_lines(launch, lines, parsed),
                 redact=launch.redactor.text,
                 on_write=lambda error: self.post(WriteHealth("launch_log", error, gen)),
+                max_bytes=self.settings.log_retention.max_bytes,
             )
 
         posted = False

@@ -3,7 +3,9 @@
 Output arrives in chunks. Each chunk's whole lines go to the file at once (one unbuffered
 write) and are split into lines in memory for the ring and the parser. Arbitrary bytes
 never raise: lines are decoded with replacement characters. Ring entries are capped (a longer
-line is cut and marked; the file keeps it whole) and so is the ring's total size.
+line is cut and marked; the file keeps it whole) and so is the ring's total size. The file is
+kept within `log_retention.max_bytes` while it is written: its head and its latest output stay,
+the middle goes, marked by one line (`LaunchLog._bound`).
 """
 
 from __future__ import annotations
@@ -251,8 +253,16 @@ class LaunchLog:
         redact: Callable[[str], str] | None = None,
         *,
         on_write: Callable[[str | None], None] | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         self.path = path
+        # The file's cap (`log_retention.max_bytes`): past it, the middle goes (see `_bound`).
+        self.max_bytes = max_bytes
+        self.dropped_bytes = 0  # output dropped from the middle to keep within `max_bytes`
+        self._size = 0  # the file's size, as written here
+        self._head_end = 0  # the end of the head that always stays (header, the startup)
+        self._marker_len = 0  # the gap line right after the head, once there is one
+        self._head_open = True  # the head still grows with each write
         # Called when writing starts failing (the error) and when it works again (None).
         self.on_write = on_write
         self.lost_bytes = 0  # output not written since `write_error` began
@@ -268,10 +278,11 @@ class LaunchLog:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(
-                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o640
+                path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o640
             )
             head = "".join(f"# {escape_controls(self.redact(h))}\n" for h in header).encode()
             os.write(self._fd, head)
+            self._size = self._head_end = len(head)
         except OSError as exc:
             raise LogUnwritable(f"{path}: {exc.strerror or exc}") from exc
         self.write_error: str | None = None
@@ -317,6 +328,7 @@ class LaunchLog:
                 written += n
                 view = view[n:]
         except OSError as exc:
+            self._size += written
             if written > len(prefix) or (written and not prefix):
                 self._mid_line = True  # the file now ends inside a line
             done = max(0, written - len(prefix))
@@ -327,11 +339,59 @@ class LaunchLog:
                 self.on_write(self.write_error)
             return
         self.bytes_written += len(data)
+        self._size += written
+        if self.max_bytes is not None:  # a comparison or two per chunk
+            if self._head_open:
+                self._grow_head(data, self.max_bytes // 4)
+            if self._size > self.max_bytes:
+                self._bound(self.max_bytes)
         if failing:
             self.write_error, self.lost_bytes, self.lost_lines = None, 0, 0
             self._mid_line = False
             if self.on_write is not None:
                 self.on_write(None)
+
+    def _grow_head(self, data: bytes, limit: int) -> None:
+        """The head is the file's first `limit` bytes, to the end of their last whole line."""
+        if self._size <= limit:
+            self._head_end = self._size  # a write ends with a whole line
+            return
+        start = self._size - len(data)
+        cut = data.rfind(b"\n", 0, max(0, limit - start))
+        if cut >= 0:
+            self._head_end = start + cut + 1
+        self._head_open = False
+
+    def _bound(self, cap: int) -> None:
+        """Bring the file back under `cap`: the head (the header and the first quarter: the
+        startup's evidence) and the last quarter (the latest output: a crash's evidence) stay;
+        what lies between goes, replaced by one line saying how much is missing. Every later
+        crossing replaces that line and what follows it again, so a flood costs one copy of a
+        quarter of the cap per half of the cap written."""
+        keep = cap // 4
+        start = max(self._head_end, self._size - keep)
+        try:
+            tail = os.pread(self._fd, self._size - start, start)
+            nl = tail.find(b"\n")
+            if 0 <= nl < len(tail) - 1 and start > self._head_end:
+                tail = tail[nl + 1 :]  # from a line's start
+            self.dropped_bytes += self._size - self._head_end - len(tail) - self._marker_len
+            marker = (
+                f"# gpuwarden: {self.dropped_bytes} bytes of output dropped here: the running "
+                f"log is kept within log_retention.max_bytes ({cap}); its head and its latest "
+                "output stay\n"
+            ).encode()
+            os.ftruncate(self._fd, self._head_end)
+            self._size = self._head_end
+            view = memoryview(marker + tail)
+            while view:  # O_APPEND: at the new end
+                n = os.write(self._fd, view)
+                self._size += n
+                view = view[n:]
+            self._marker_len = len(marker)
+        except OSError:
+            with contextlib.suppress(OSError):
+                self._size = os.fstat(self._fd).st_size
 
     def _lines(self, data: bytes, interesting: bool) -> None:
         """`data` holds whole lines without the final newline. One decode and one split per

@@ -11,7 +11,7 @@ FIFO or a huge file; a secret-salt file that is a FIFO; twelve preflights at onc
 build, two introspections at a time); 300 idle sockets at the connection cap (probes and a stop
 still answered); a FIFO and a 512 MiB file as a saved dump and as a sweep's record; a broken
 config asked for again and again; twenty /logs?lines=100000 at once; 'server crashed' with a
-dumps folder that cannot be written."""
+dumps folder that cannot be written; a flood past the running log's cap."""
 
 from __future__ import annotations
 
@@ -1299,3 +1299,36 @@ def test_server_crashed_with_an_unwritable_dumps_folder_answers_the_dump_unsaved
     assert d.http.post("/restart").status_code == 202
     d.wait_event("server.exit", after=mark, reason="cuda_oom", timeout=30)
     assert d.status()["state"] == "backoff"
+
+
+def test_a_flood_keeps_the_running_log_within_its_cap_with_head_tail_and_gap(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """A server that writes 1.4 MB of lines under a 256 KiB `log_retention.max_bytes`: the
+    running launch's file stays within the cap (and one read chunk), keeps its header and
+    startup, the latest lines, and one line saying how much of the middle was dropped."""
+    cap = 256 * 1024
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"f": standin_config("--standin-flood=20000", health={"interval_s": 600})},
+        default="f",
+        log_retention={"max_bytes": cap},
+    )
+    d.wait_state("ready")
+    log_file = Path(d.status()["log_file"])
+    wait_until(lambda: b"flood done: 20000 lines" in log_file.read_bytes()[-200:], 60, "the flood")
+    data = log_file.read_bytes()
+    assert len(data) <= cap + 64 * 1024, len(data)
+    text = data.decode()
+    assert text.startswith("# ")  # gpuwarden's header
+    assert "The server is fired up and ready to roll!" in text  # the startup stays
+    assert "flood line 00019999 " in text  # the latest lines stay
+    gaps = re.findall(r"# gpuwarden: (\d+) bytes of output dropped here: ", text)
+    assert len(gaps) == 1, gaps
+    kept = len(re.findall(r"flood line \d{8} ", text))
+    assert 0 < kept < 20000
+    assert int(gaps[0]) >= (20000 - kept) * 60  # about what went (each line is ~70 bytes)
+    assert "flood line 00000000 " not in text.split("bytes of output dropped here")[1]
+    assert d.status()["state"] == "ready"

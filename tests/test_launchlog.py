@@ -212,3 +212,19 @@ def test_sglangs_death_announcements_are_recognised_through_the_log_pipeline(
     log.close("done")
     deaths = [text for text, parsed in seen if parsed.death]
     assert deaths == DEATHS
+
+
+def test_a_capped_log_keeps_its_head_and_tail_and_counts_what_it_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "l" / "x.log"
+    log = LaunchLog(path, ["hdr"], max_bytes=4096)
+    lines = [b"line %05d xxxxxxxxxxxxxxxxxxxxxx\n" % i for i in range(2000)]
+    for line in lines:
+        log.feed(line)
+    data = path.read_bytes()
+    assert len(data) <= 4096
+    head, marker, tail = data.partition(b"# gpuwarden: ")
+    assert head.startswith(b"# hdr\nline 00000 ") and len(head) <= 1024
+    dropped = int(marker and tail.split(b" ", 1)[0])
+    rest = tail.split(b"\n", 1)[1]
+    assert rest.endswith(lines[-1]) and b"# gpuwarden" not in rest
+    assert len(head) + dropped + len(rest) == 6 + sum(map(len, lines))  # nothing counted twice
