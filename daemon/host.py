@@ -96,7 +96,7 @@ class Effects(Protocol):
     def retry_after(self, delay_s: float, gen: int, config: str | None) -> None: ...
     def cancel_retry(self) -> None: ...
     def save_again(self) -> None: ...
-    def prune_logs(self, protect: set[str]) -> None: ...
+    def prune_logs(self, protect: set[str], order: list[str]) -> None: ...
     def swap_settled(self, swap_id: str, outcome: dict[str, Any]) -> None: ...
 
 
@@ -512,13 +512,13 @@ class Host(GpuWatch):
             return
         self.post(EventNoted("events_pruned", {"lines": dropped, "kept": self.events.lines}))
 
-    def prune_logs(self, protect: set[str]) -> None:
-        self.task(self._prune_logs(protect))
+    def prune_logs(self, protect: set[str], order: list[str]) -> None:
+        self.task(self._prune_logs(protect, order))
 
-    async def _prune_logs(self, protect: set[str]) -> None:
+    async def _prune_logs(self, protect: set[str], order: list[str]) -> None:
         keep = self.settings.log_retention
         removed = await asyncio.to_thread(
-            prune_logs, self.settings.log_dir, keep.launches, keep.max_bytes, protect
+            prune_logs, self.settings.log_dir, keep.launches, keep.max_bytes, protect, order
         )
         if removed:
             self.post(EventNoted("logs_pruned", {"files": len(removed)}))

@@ -125,7 +125,10 @@ class Machine(Books):
         health = launch.config.config.health
         self.host.timer(health.startup_timeout_s, StartupTimedOut(launch.gen), launch)
         self.host.probe(launch, readiness=True)
-        self.host.prune_logs(self.protected_logs())
+        # Oldest first by the order of the launches on record, never by the time in their ids.
+        self.host.prune_logs(
+            self.protected_logs(), [e["launch_id"] for e in self.history.entries()]
+        )
 
     def on_line_parsed(self, msg: LineParsed) -> None:
         launch = self.current(msg.gen)

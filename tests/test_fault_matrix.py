@@ -11,7 +11,8 @@ FIFO or a huge file; a secret-salt file that is a FIFO; twelve preflights at onc
 build, two introspections at a time); 300 idle sockets at the connection cap (probes and a stop
 still answered); a FIFO and a 512 MiB file as a saved dump and as a sweep's record; a broken
 config asked for again and again; twenty /logs?lines=100000 at once; 'server crashed' with a
-dumps folder that cannot be written; a flood past the running log's cap."""
+dumps folder that cannot be written; a flood past the running log's cap; retention after the
+wall clock went back."""
 
 from __future__ import annotations
 
@@ -1332,3 +1333,56 @@ def test_a_flood_keeps_the_running_log_within_its_cap_with_head_tail_and_gap(
     assert int(gaps[0]) >= (20000 - kept) * 60  # about what went (each line is ~70 bytes)
     assert "flood line 00000000 " not in text.split("bytes of output dropped here")[1]
     assert d.status()["state"] == "ready"
+
+
+def test_retention_after_the_clock_went_back_removes_the_oldest_launches_first(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """Four launches on record whose ids carry a time in 2099 (made before the wall clock went
+    back): the launches made now carry earlier times, yet they are the newest. Retention
+    (3 launches) removes the 2099 ones, never the newest."""
+    old = [f"20990101T00000{i}-00000{i}" for i in range(1, 5)]
+    logs = tmp_path / "logs" / "f"
+    logs.mkdir(parents=True)
+    for launch_id in old:
+        (logs / f"{launch_id}.log").write_text(f"# gpuwarden launch {launch_id}\n")
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "state.json").write_text(
+        json.dumps(
+            {
+                "intent": {"config": "f", "running": True},
+                "last_good_config": "f",
+                "last_good_launch": old[-1],
+                "launch_seq": 4,
+                "launches": [
+                    {
+                        "launch_id": launch_id,
+                        "config": "f",
+                        "pid": 1,
+                        "started_at": "2099-01-01T00:00:00.000Z",
+                        "ready_at": None,
+                        "log_file": str(logs / f"{launch_id}.log"),
+                        "exit": {"reason": "stopped", "code": 0},
+                    }
+                    for launch_id in old
+                ],
+            }
+        )
+    )
+    d = start_daemon(
+        procs, tmp_path, fake_gpu, {"f": standin_config()}, log_retention={"launches": 3}
+    )
+    d.wait_state("ready")
+    new = [d.status()["launch_id"]]
+    for _ in range(2):
+        mark = d.mark()
+        assert d.http.post("/restart").status_code == 202
+        d.wait_state("ready", after=mark)
+        new.append(d.status()["launch_id"])
+    assert [n[-6:] for n in new] == ["000005", "000006", "000007"]
+    assert all(n < old[0] for n in new)  # their ids' times are earlier than the old ones'
+    wait_until(
+        lambda: sorted(p.stem for p in logs.glob("*.log")) == sorted(new),
+        20,
+        f"only the newest launches kept: {sorted(p.stem for p in logs.glob('*.log'))}",
+    )
