@@ -20,18 +20,27 @@ from .preflight import PreflightResult
 if TYPE_CHECKING:
     from .configs import ResolvedConfig
     from .machine import Machine
-    from .store import StateStore
+    from .store import EventLog, StateStore
     from .supervisor import Supervisor
 
 BOOT_DEADLINE_S = 300.0  # the boot's config read and preflight (two introspections at most)
 
 
 async def restore(
-    machine: Machine, store: StateStore, grace_s: float, default_config: str | None
+    machine: Machine,
+    store: StateStore,
+    grace_s: float,
+    default_config: str | None,
+    events: EventLog | None = None,
 ) -> tuple[str | None, str | None]:
     """Read state.json into the machine and stop what the previous life left running.
-    Returns the config to start (None: none) and what a resumed swap rolls back to."""
+    Returns the config to start (None: none) and what a resumed swap rolls back to.
+    `events` continues its `seq` from the one state.json recorded when that is higher (the
+    events file may be gone)."""
     data, note = await asyncio.to_thread(store.load)
+    if events is not None:
+        with contextlib.suppress(TypeError, ValueError):
+            events.seq = max(events.seq, int(data.get("events_seq") or 0))
     if note:
         machine.event("state_file_corrupt", detail=note)
     saved.restore(machine, data, childmod.is_alive)

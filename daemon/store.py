@@ -224,7 +224,26 @@ class EventLog:
             self._write(line)
         return event
 
+    def _replaced(self) -> bool:
+        """events.jsonl is no longer the file written to (moved, deleted or replaced while the
+        daemon runs): one stat and one fstat per event."""
+        assert self._fd is not None
+        try:
+            st, ours = os.stat(self.path), os.fstat(self._fd)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False  # the write that follows tells what is wrong
+        return (st.st_ino, st.st_dev) != (ours.st_ino, ours.st_dev)
+
     def _write(self, line: bytes) -> None:
+        if self._fd is not None and self._replaced():
+            # Moved or deleted: the events go on in a new events.jsonl, not in the old file.
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+            self.lines = self._count_lines() if self.retain is not None else 0
+            self._mid_line = False
         if self._fd is None and not self._open():
             self.lost += 1
             return

@@ -101,7 +101,11 @@ class Supervisor:
         self.machine.secret_salt = await asyncio.to_thread(secret_salt, self.settings.state_dir)
         self.host.poll_gpus()
         name, rollback = await boot.restore(
-            self.machine, self.store, self.settings.stop.grace_s, self.settings.default_config
+            self.machine,
+            self.store,
+            self.settings.stop.grace_s,
+            self.settings.default_config,
+            self.events,
         )
         if name:
             ticket = self._take_ticket()  # a stop while the boot preflights cancels the boot
@@ -182,7 +186,8 @@ class Supervisor:
             self._save_timer = None
         m.dirty = False
         self._asked = asked
-        self.host.save(saved.record(m, self._boot_id))
+        # The last event's seq too: a later life goes on from it should events.jsonl be gone.
+        self.host.save({**saved.record(m, self._boot_id), "events_seq": self.events.seq})
 
     def _deferred_save(self) -> None:
         self._save_timer = None

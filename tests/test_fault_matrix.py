@@ -12,7 +12,7 @@ build, two introspections at a time); 300 idle sockets at the connection cap (pr
 still answered); a FIFO and a 512 MiB file as a saved dump and as a sweep's record; a broken
 config asked for again and again; twenty /logs?lines=100000 at once; 'server crashed' with a
 dumps folder that cannot be written; a flood past the running log's cap; retention after the
-wall clock went back."""
+wall clock went back; events.jsonl moved or deleted, while running and while away."""
 
 from __future__ import annotations
 
@@ -1386,3 +1386,59 @@ def test_retention_after_the_clock_went_back_removes_the_oldest_launches_first(
         20,
         f"only the newest launches kept: {sorted(p.stem for p in logs.glob('*.log'))}",
     )
+
+
+def _seqs(path: Path) -> list[int]:
+    return [int(json.loads(x).get("seq") or 0) for x in path.read_text().splitlines() if x]
+
+
+def test_events_jsonl_moved_or_deleted_while_running_goes_on_in_a_new_file(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """events.jsonl moved away (logrotate without copytruncate), then deleted: each time the
+    next event goes to a new events.jsonl, its seq following on, and nothing more is written
+    to the old file."""
+    d = start_daemon(procs, tmp_path, fake_gpu, {"f": standin_config()}, default="f")
+    d.wait_state("ready")
+    path = tmp_path / "state" / "events.jsonl"
+    wait_recorded(tmp_path, "ready", lambda ev: any(e.get("to") == "ready" for e in ev))
+    moved = path.with_name("events.jsonl.1")
+    path.rename(moved)
+    before = moved.read_bytes()
+    last = max(_seqs(moved))
+    mark = d.mark()
+    assert d.http.post("/restart").status_code == 202
+    d.wait_state("ready", after=mark)
+    wait_recorded(tmp_path, "the restart", lambda ev: any(e.get("to") == "ready" for e in ev))
+    assert moved.read_bytes() == before  # the old file got nothing more
+    seqs = _seqs(path)
+    assert min(seqs) == last + 1 and seqs == sorted(seqs)
+    last = max(seqs)
+    path.unlink()
+    mark = d.mark()
+    assert d.http.post("/stop").status_code == 202
+    d.wait_state("stopped", after=mark)
+    wait_recorded(tmp_path, "the stop", lambda ev: any(e.get("to") == "stopped" for e in ev))
+    assert min(_seqs(path)) == last + 1
+    assert [e["seq"] for e in d.http.get("/events").json()["events"]][-1] == max(_seqs(path))
+
+
+def test_seq_goes_on_after_a_restart_without_events_jsonl(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """events.jsonl deleted while the daemon is away: the next life's events go on from the
+    last seq (state.json records it), never from 1 again."""
+    d = start_daemon(procs, tmp_path, fake_gpu, {"f": standin_config()}, default="f")
+    d.wait_state("ready")
+    last = d.http.get("/events").json()["events"][-1]["seq"]
+    assert last > 1
+    d.proc.signal(signal.SIGTERM)
+    assert d.proc.wait(30) == 0
+    path = tmp_path / "state" / "events.jsonl"
+    last = max([last, *_seqs(path)])
+    path.unlink()
+    d2 = start_daemon(procs, tmp_path, fake_gpu, {"f": standin_config()}, default="f")
+    d2.wait_state("ready")
+    wait_recorded(tmp_path, "ready", lambda ev: any(e.get("to") == "ready" for e in ev))
+    assert min(_seqs(path)) == last + 1
+    assert d2.http.get("/events").json()["events"][0]["seq"] == last + 1
