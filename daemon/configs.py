@@ -10,7 +10,7 @@ import copy
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import ValidationError
+
+from gpuwarden.standin.argspec import split_command
 
 from . import errors
 from .configschema import ServerConfig, build_argv
@@ -68,6 +70,38 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def option_value(argv: Sequence[str], option: str, parser: ArgvSecrets) -> str | None:
+    """The value argparse gives `option` (a long option taking one value, ``--port``) in a
+    server's argv: the last occurrence wins; ``--port N`` and ``--port=N``; an abbreviation
+    (``--po N``) counts when it stands for `option` alone among the options of the server's
+    parser (`parser.options`; SGLang's for SGLang and the stand-in). With no known parser only
+    `option` itself counts. None when the argv does not give it (the server's default).
+
+    Every consumer of the server's address (probes, the listener check, preflight, swaps,
+    sweeps, `/metrics`) reads it through here, so a ``--port`` in ``command:``, an ``args`` key
+    ``"--port"`` and ``port:`` are one and the same."""
+    args = split_command(argv).args
+    value: str | None = None
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg == "--":
+            break  # argparse: everything after is positional
+        if not arg.startswith("--"):
+            continue
+        flag, eq, attached = arg.partition("=")
+        meant = parser.resolve(flag) if parser.options is not None else [flag]
+        if meant != [option]:
+            continue
+        if eq:
+            value = attached
+        elif i < len(args) and not args[i].startswith("-"):
+            value = args[i]
+            i += 1
+    return value
+
+
 @dataclass(frozen=True)
 class ResolvedConfig:
     name: str
@@ -93,18 +127,26 @@ class ResolvedConfig:
             env.pop(name, None)
         return env
 
+    def server_option(self, option: str) -> str | None:
+        """The value the server's own parser gives `option` (``--port``) in the final argv, or
+        None when the argv does not give it (see `option_value`)."""
+        return option_value(self.argv, option, self.argv_secrets)
+
     @property
     def port(self) -> int:
-        value = self.config.args.get("port")
+        """The server's port, as its parser reads the argv (`command:` and `args` alike);
+        SGLang's default when not given or not a number."""
+        value = self.server_option("--port")
         try:
-            return int(value) if value is not None else SGLANG_DEFAULT_PORT  # type: ignore[arg-type]
-        except (TypeError, ValueError):
+            return int(value) if value is not None else SGLANG_DEFAULT_PORT
+        except ValueError:
             return SGLANG_DEFAULT_PORT
 
     @property
     def host(self) -> str:
-        value = self.config.args.get("host")
-        if not isinstance(value, str) or value in ("0.0.0.0", "::", ""):
+        """The address to reach the server at: its `--host`, loopback for a wildcard bind."""
+        value = self.server_option("--host")
+        if value is None or value in ("0.0.0.0", "::", ""):
             return "127.0.0.1"
         return value
 

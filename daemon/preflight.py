@@ -63,7 +63,7 @@ class Preflight:
         result = PreflightResult(ok=True)
         # The default port (30000) is SGLang's: another program listens where its own flags say,
         # so the port is checked only when the config names one or the program is SGLang's.
-        knows_port = cfg.config.args.get("port") is not None or known_server(
+        knows_port = cfg.server_option("--port") is not None or known_server(
             split_command(cfg.argv).module
         )
         if cfg.config.preflight.argv:

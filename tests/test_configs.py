@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -11,9 +13,13 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwarden.daemon.configs import ConfigError, ConfigNotFound, ConfigStore
+from gpuwarden.daemon.configs import ConfigError, ConfigNotFound, ConfigStore, option_value
 from gpuwarden.daemon.configschema import build_argv
+from gpuwarden.daemon.redact import argv_secrets
 from gpuwarden.daemon.settings import SettingsError, load_settings
+from gpuwarden.standin.argspec import OptionSpec, add_specs
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def store(tmp_path: Path, files: dict[str, str]) -> ConfigStore:
@@ -305,3 +311,74 @@ def test_a_failure_is_kept_until_a_file_it_looked_at_changes(tmp_path: Path) -> 
     assert again.value is not first.value  # a fresh exception each time, same error
     (tmp_path / "parent.yaml").write_text("health: {interval_s: 2}\n")  # fixed: read again
     assert store.load("child").config.health.interval_s == 2
+
+
+SGLANG = ["python", "-m", "sglang.launch_server"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--port", "31000"],
+        ["--port=31000"],
+        ["--po", "31000"],
+        ["--po=31000", "--ho", "0.0.0.0"],
+        ["--port", "1", "--model-path", "/m", "--port", "31000"],  # the last one wins
+        ["--port=1", "--por", "31000", "--host=10.0.0.7"],
+        ["--model-path", "/m", "--host", "::1"],  # no port: the server's default
+        [],
+    ],
+)
+def test_the_port_and_host_are_what_the_servers_parser_makes_of_the_argv(
+    args: list[str],
+) -> None:
+    """Before: only `args: {port: N}` counted; `--port` in `command:`, an `args` key `--port`
+    and the abbreviations argparse accepts were ignored (30000 was probed)."""
+    ns = _sglang_parser().parse_args(["--model-path", "/m", *args])  # argparse itself
+    policy = argv_secrets(SGLANG)
+    port = option_value([*SGLANG, *args], "--port", policy)
+    host = option_value([*SGLANG, *args], "--host", policy)
+    # The table keeps no defaults: what the argv does not give is None to argparse too.
+    assert (port, host) == (ns.port, ns.host)
+
+
+def test_a_program_of_unknown_parser_gives_its_port_by_the_exact_flag_only() -> None:
+    other = ["/opt/server/bin/serve"]
+    policy = argv_secrets(other)
+    assert option_value([*other, "--port", "9000"], "--port", policy) == "9000"
+    assert option_value([*other, "--port=9000", "--host=h"], "--port", policy) == "9000"
+    assert option_value([*other, "--po", "9000"], "--port", policy) is None
+    # SGLang with `preflight: {argv: false}`: its parser is not trusted to be SGLang's either.
+    assert option_value([*SGLANG, "--po", "9"], "--port", argv_secrets(SGLANG, False)) is None
+    # After `--` everything is positional; an option with no value gives none.
+    assert option_value([*other, "--", "--port", "1"], "--port", policy) is None
+    assert option_value([*other, "--port"], "--port", policy) is None
+
+
+def test_a_resolved_config_reads_its_port_from_command_and_args_alike(tmp_path: Path) -> None:
+    s = store(
+        tmp_path,
+        {
+            "cmd": "command: [python, -m, sglang.launch_server, --port, '31001']\n",
+            "key": "args: {'--port': 31002, '--host': 0.0.0.0}\n",
+            "abbr": "command: [python, -m, sglang.launch_server, --po=31003]\n"
+            "args: {enable-metrics: true}\n",
+            # `args` come after `command` in the argv: theirs wins, as the server sees it.
+            "both": "command: [python, -m, sglang.launch_server, --port, '1']\n"
+            "args: {port: 31004, host: '::1'}\n",
+            "garbled": "args: {port: http}\n",
+        },
+    )
+    assert s.load("cmd").health_url == "http://127.0.0.1:31001/health"
+    assert s.load("key").health_url == "http://127.0.0.1:31002/health"
+    assert s.load("abbr").port == 31003
+    assert s.load("abbr").metrics_url == "http://127.0.0.1:31003/metrics"
+    assert s.load("both").health_url == "http://[::1]:31004/health"
+    assert s.load("garbled").port == 30000  # the server refuses it; its default is probed
+
+
+def _sglang_parser() -> argparse.ArgumentParser:
+    data = json.loads((ROOT / "standin" / "data" / "options-0.5.23.json").read_text())
+    parser = argparse.ArgumentParser(add_help=False)
+    add_specs(parser, [OptionSpec.from_json(o) for o in data["options"]])
+    return parser

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 
-from .conftest import PY, Proc, alive, group_members, wait_until
+from .conftest import PY, Proc, alive, free_port, group_members, wait_until
 from .daemon_harness import standin_config, start_daemon
 
 
@@ -265,3 +265,58 @@ def test_env_null_removes_the_variable_from_the_server_even_from_the_daemon_env(
     assert "GW_FROM_PARENT" not in environ and "GW_FROM_DAEMON" not in environ
     header = Path(d.status()["log_file"]).read_text().splitlines()
     assert any("unset: " in line and "GW_FROM_DAEMON" in line for line in header[:5])
+
+
+def _health_probes_answered(log_file: str) -> int:
+    """The server's own access lines for `GET /health` answered 200: probes that reached it."""
+    text = Path(log_file).read_text(errors="replace")
+    return text.count('"GET /health HTTP/1.1" 200')
+
+
+def test_a_port_given_in_command_or_as_a_flag_key_or_abbreviated_is_the_one_probed(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """Before: only `args: {port: N}` was read; every other spelling the server's parser
+    accepts left the daemon probing 30000, so a healthy server went `unhealthy` and was killed
+    over and over (and a swap between two of them was refused: port held)."""
+    port, elsewhere = free_port(), free_port()
+
+    def spelled(command_tail: list[str], args: dict[str, object]) -> dict[str, object]:
+        cfg = standin_config(port=port)
+        del cfg["args"]["port"]
+        cfg["command"] = [*cfg["command"], *command_tail]
+        cfg["args"].update(args)
+        return cfg
+
+    configs = {
+        "in_command": spelled(["--port", str(port)], {}),
+        "flag_key": spelled([], {"--port": port}),
+        # The last occurrence wins, `=` and an unambiguous prefix included, as argparse reads it.
+        "abbreviated": spelled([f"--port={elsewhere}", "--po", str(port)], {}),
+    }
+    d = start_daemon(procs, tmp_path, fake_gpu, configs, default="in_command")
+    d.wait_state("ready")
+    for name in configs:
+        mark = d.mark()
+        if name != "in_command":
+            res = d.http.post(
+                "/restart", params={"config": name, "wait": "true", "probation": "false"}
+            )
+            assert res.status_code == 200, res.text  # the old server's port is the new one's
+            assert res.json()["outcome"] == "ready", res.json()
+        view = d.http.get(f"/configs/{name}").json()
+        assert view["health_url"] == f"http://127.0.0.1:{port}/health", view
+        st = d.status()
+        assert (st["state"], st["config"]) == ("ready", name)
+        # Liveness probes reach the server itself: three answered after ready, none failed.
+        seen = _health_probes_answered(st["log_file"])
+        wait_until(
+            lambda st=st, seen=seen: _health_probes_answered(st["log_file"]) >= seen + 3,
+            15,
+            f"three liveness probes of {name} answered by the server on port {port}",
+        )
+        after = d.status()
+        assert (after["state"], after["launch_id"]) == ("ready", st["launch_id"]), after
+        records = d.proc.lines[0 if name == "in_command" else mark :]
+        for unwanted in ("server.probe_failed", "server.listener_unchecked"):
+            assert not [line for _, line in records if f'"event": "{unwanted}"' in line], unwanted
