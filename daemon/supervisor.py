@@ -279,7 +279,10 @@ class Supervisor:
         else:
             outcome = await asyncio.shield(self.host.settled(reply["swap_id"]))
             if probation and outcome["outcome"] == "ready" and outcome["launch_ids"]:
-                outcome = await self._probation_outcome(reply["swap_id"], outcome)
+                if cfg.name == snap.current_config:
+                    outcome = await self._restart_probation(reply["swap_id"], outcome)
+                else:
+                    outcome = await self._probation_outcome(reply["swap_id"], outcome)
         # The state now, not the one at acceptance (which was stopping or waiting_gpu).
         return {**reply, **outcome, "state": str(self.snapshot().state)}
 
@@ -302,7 +305,8 @@ class Supervisor:
         async with self._changed:
             await self._changed.wait_for(lambda: ended(self))
         if m.last_good_launch == launch_id:
-            evidence = f"{ready['config']} is ready and survived its probation"
+            probation_s = self.settings.restart.probation_s
+            evidence = f"{ready['config']} is ready and survived its probation ({probation_s:g} s)"
             return {**ready, "evidence": evidence}
         if m.swap is not None and m.swap.id != swap_id and m.intent_running and not m.finished:
             rollback = await asyncio.shield(self.host.settled(m.swap.id))
@@ -312,6 +316,50 @@ class Supervisor:
             why = "the daemon shut down during its probation (it resumes at the next start)"
         else:
             why = "stopped on request during its probation"
+        return {**ready, "outcome": "failed", "reason": "requested_stop", "evidence": why}
+
+    async def _restart_probation(self, swap_id: str, ready: dict[str, Any]) -> dict[str, Any]:
+        """A restart of the current config is no swap (nothing rolls back: a crash follows the
+        restart policy), but waited for with probation its answer means the same: the launch
+        stayed up `probation_s` after ready. Answered `failed`, with the exit's reason, when
+        it ended before that; as `_probation_outcome` when a stop, a shutdown or another
+        restart ended the wait."""
+        launch_id = ready["launch_ids"][-1]
+        probation_s = self.settings.restart.probation_s
+        m = self.machine
+
+        def ended(_: Supervisor) -> bool:
+            exited = (m.last_exit or {}).get("launch_id") == launch_id
+            other = m.swap is not None and m.swap.id != swap_id
+            return exited or other or not m.intent_running or m.finished
+
+        async def watch() -> None:
+            async with self._changed:
+                await self._changed.wait_for(lambda: ended(self))
+
+        watcher = asyncio.ensure_future(watch())
+        timer = asyncio.ensure_future(self.clock.sleep(probation_s))
+        try:
+            await asyncio.wait((watcher, timer), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            timer.cancel()
+        name = ready["config"]
+        if not ended(self):
+            evidence = f"{name} is ready and survived its probation ({probation_s:g} s)"
+            return {**ready, "evidence": evidence}
+        last = m.last_exit or {}
+        if last.get("launch_id") == launch_id:
+            why = f"{name} crashed during its probation ({probation_s:g} s after ready)"
+            if last.get("evidence"):
+                why += f": {last['evidence']}"
+            return {**ready, "outcome": "failed", "reason": last.get("reason"), "evidence": why}
+        if m.finished:
+            why = "the daemon shut down during its probation"
+        elif not m.intent_running:
+            why = "stopped on request during its probation"
+        else:
+            why = "another restart or swap began during its probation"
         return {**ready, "outcome": "failed", "reason": "requested_stop", "evidence": why}
 
     async def shutdown(self) -> None:

@@ -290,6 +290,44 @@ def test_restart_wait_through_a_probation_that_passes_is_ready(
     assert rc == 0 and "starting · loading weights" in tty, tty
 
 
+def test_restart_wait_of_the_current_config_waits_through_its_probation(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """Before: a restart of the current config was answered at ready (`ready: ... survived
+    its probation after 0s`, exit 0) for a server that crashed 0.3 s later."""
+    port = free_port()
+    configs = {
+        "crashy": standin_config("--standin-crash-after=0.3", port=port),
+        "good": standin_config(port=port),
+    }
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        configs,
+        default="crashy",
+        restart={"probation_s": 5, "initial_delay_s": 30},
+    )
+    d.wait_state("backoff", reason="crash")  # its first crash; the retry is 30 s away
+    mark = d.mark()
+    res = cli("restart", "--wait", "--url", d.url)
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert res.stdout.startswith("failed: crashy crashed during its probation (5 s after ready)")
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("gpuwarden: restart ended failed: crash (crashy crashed during its")
+    # No rollback for a restart of the same config: the crash follows the restart policy.
+    d.wait_state("backoff", after=mark, reason="crash")
+    assert not [line for _, line in d.proc.lines[mark:] if '"server.rollback"' in line]
+
+    # A config that stays up is answered once the probation is over, saying so.
+    d.http.post("/restart", params={"config": "good", "wait": "true", "probation": "false"})
+    res = cli("restart", "--wait", "--url", d.url, "--json")
+    assert res.returncode == 0, res.stderr
+    body = json.loads(res.stdout)
+    assert body["evidence"] == "good is ready and survived its probation (5 s)", body
+    assert body["elapsed_s"] >= 5  # the probation itself was waited for
+
+
 def test_status_exits_3_unless_ready_with_human_durations(
     procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
