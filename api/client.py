@@ -114,9 +114,42 @@ def cmd_start(args: argparse.Namespace) -> int:
     return 0
 
 
+STOP_MARGIN_S = 60.0  # beyond stop.grace_s: the SIGKILL, the sweep, the state's save
+STOP_POLL_S = 0.1
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
+    """Like `systemctl stop`, waits until the server is stopped (`--no-wait`: returns once the
+    stop is accepted), so `gpuwarden stop && gpuwarden start` works."""
     data = call(args, "POST", "/stop").json()
-    _print_json(data) if args.json else print(f"stopping ({data['state']})")
+    if args.wait:
+        limit = args.timeout
+        if limit is None:
+            limit = float(data.get("grace_s") or 0.0) + STOP_MARGIN_S
+        deadline = time.monotonic() + limit
+        while data["state"] != "stopped":
+            if time.monotonic() >= deadline:
+                print(
+                    f"gpuwarden: the server is still {data['state']} after "
+                    f"{render.duration(limit)}; the stop goes on in the daemon "
+                    "(gpuwarden status)",
+                    file=sys.stderr,
+                )
+                return 1
+            time.sleep(STOP_POLL_S)
+            st = call(args, "GET", "/status").json()
+            if (st.get("intent") or {}).get("running"):
+                print(
+                    f"gpuwarden: a start came after the stop: the server is {st['state']} "
+                    f"(config {st.get('config')})",
+                    file=sys.stderr,
+                )
+                return 1
+            data = {**data, "state": st["state"]}
+    if args.json:
+        _print_json(data)
+    else:
+        print("stopped" if data["state"] == "stopped" else f"stopping ({data['state']})")
     return 0
 
 

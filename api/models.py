@@ -32,6 +32,7 @@ class Accepted(BaseModel):
     state: str
     config: str | None = None
     swap_id: str | None = None
+    grace_s: float | None = None  # a stop's: SIGKILL comes this long after SIGTERM
 
 
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:

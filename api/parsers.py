@@ -81,6 +81,20 @@ def add_client_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p.set_defaults(func=CLIENT)
 
     p = sub.add_parser("stop", parents=[common], help="stop the server and leave it stopped")
+    p.add_argument(
+        "--no-wait",
+        dest="wait",
+        action="store_false",
+        help="return once the stop is accepted, not once the server is stopped",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="give up waiting after S seconds (1; the stop goes on in the daemon); "
+        "default: the daemon's stop.grace_s plus 60",
+    )
     p.set_defaults(func=CLIENT)
 
     p = sub.add_parser("logs", parents=[common], help="the server's log")

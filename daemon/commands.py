@@ -98,7 +98,8 @@ def stop(m: Machine, msg: StopRequested) -> dict[str, Any]:
         m.transition(S.STOPPED, reason="requested_stop")  # FAILED|BACKOFF|WAITING_GPU -> STOPPED
     elif m.state != S.STOPPED and launch is not None:
         m.begin_stop(launch, Next.STOP)
-    return {"accepted": True, "state": str(m.state)}
+    # The grace a waiting client bounds its wait by (SIGTERM, then SIGKILL after it).
+    return {"accepted": True, "state": str(m.state), "grace_s": m.settings.stop.grace_s}
 
 
 def restart(m: Machine, msg: RestartRequested) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import os
 import pty
 import re
 import select
+import shlex
 import signal
 import subprocess
 import threading
@@ -326,6 +327,42 @@ def test_restart_wait_of_the_current_config_waits_through_its_probation(
     body = json.loads(res.stdout)
     assert body["evidence"] == "good is ready and survived its probation (5 s)", body
     assert body["elapsed_s"] >= 5  # the probation itself was waited for
+
+
+def test_stop_waits_for_stopped_so_stop_then_start_works(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """Before: `gpuwarden stop` returned at once, and the `start` after it met 409 (the server
+    was still stopping)."""
+    cfg = standin_config("--standin-ignore-sigterm")  # stopped by the SIGKILL after grace_s
+    d = start_daemon(procs, tmp_path, fake_gpu, {"slow": cfg}, default="slow", stop={"grace_s": 3})
+    d.wait_state("ready")
+    gw = " ".join(shlex.quote(a) for a in (PY, "-m", "gpuwarden.api.cli"))
+    mark = d.mark()
+    res = subprocess.run(
+        ["bash", "-c", f"{gw} stop --url {d.url} && {gw} start --url {d.url}"],
+        capture_output=True, text=True, timeout=60, check=False, env=_env(),
+    )  # fmt: skip
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert res.stdout.splitlines() == ["stopped", "starting slow (waiting_gpu)"], res.stdout
+    d.wait_state("ready", after=mark)
+
+    # --no-wait answers at once, while the server is still stopping.
+    mark = d.mark()
+    res = cli("stop", "--no-wait", "--url", d.url)
+    assert (res.returncode, res.stdout) == (0, "stopping (stopping)\n"), res.stderr
+    d.wait_state("stopped", after=mark)
+    mark = d.mark()
+    assert cli("start", "--url", d.url).returncode == 0
+    d.wait_state("ready", after=mark)
+
+    # A bounded wait says what happened, and fails.
+    mark = d.mark()
+    res = cli("stop", "--timeout", "0.5", "--url", d.url)
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert res.stderr.startswith("gpuwarden: the server is still stopping after "), res.stderr
+    assert "the stop goes on in the daemon" in res.stderr
+    d.wait_state("stopped", after=mark)
 
 
 def test_status_exits_3_unless_ready_with_human_durations(
