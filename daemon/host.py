@@ -499,7 +499,7 @@ class Host(GpuWatch):
         try:
             resolved = await asyncio.to_thread(self.configs.load, config)
         except ConfigError as exc:
-            self.post(BackoffElapsed(gen, None, str(exc)))
+            self.post(BackoffElapsed(gen, None, str(exc), unreadable=True))
             return
         self.post(BackoffElapsed(gen, resolved))
 

@@ -82,6 +82,7 @@ def record_level(record: dict[str, Any]) -> int:
         "gpu_orphans_killed",
         "state_file_corrupt",
         "events_gap",
+        "config_unreadable",
     ):
         return logging.WARNING
     return logging.INFO

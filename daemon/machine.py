@@ -454,11 +454,30 @@ class Machine(Books):
     def on_backoff_elapsed(self, msg: BackoffElapsed) -> None:
         if self.current(msg.gen) is None or self.state != S.BACKOFF:
             return
-        if msg.resolved is None:
+        resolved = msg.resolved
+        launch = self.launch
+        if (
+            resolved is None
+            and msg.unreadable
+            and launch is not None
+            and launch.config.name == self.intent_config
+        ):
+            # A relaunch of the config that was running, whose file is missing or half-written
+            # just now (an editor's save, a deploy): the server comes back as it ran, and the
+            # next retry reads the file again. A command that names the config still gets
+            # the error.
+            resolved = launch.config
+            self.event(
+                "config_unreadable",
+                error=msg.error,
+                detail=f"relaunched with the resolution of launch {launch.launch_id} "
+                f"(hash {resolved.config_hash}); the file is read again at the next retry",
+            )
+        if resolved is None:
             commands.refuse(self, self.intent_config, msg.error or "the config does not load")
             return
         self.restarts += 1
-        self.begin_attempt(msg.resolved)  # BACKOFF -> WAITING_GPU
+        self.begin_attempt(resolved)  # BACKOFF -> WAITING_GPU
 
     def on_task_failed(self, msg: TaskFailed) -> None:
         """A helper task raised (descriptors exhausted, /proc unreadable, a bug): record it, then

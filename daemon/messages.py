@@ -145,6 +145,7 @@ class BackoffElapsed:
     gen: int
     resolved: Any = None  # the ResolvedConfig, or None with `error`
     error: str | None = None
+    unreadable: bool = False  # the error is the config's file: missing, unreadable, not parsed
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ build, two introspections at a time); 300 idle sockets at the connection cap (pr
 still answered); a FIFO and a 512 MiB file as a saved dump and as a sweep's record; a broken
 config asked for again and again; twenty /logs?lines=100000 at once; 'server crashed' with a
 dumps folder that cannot be written; a flood past the running log's cap; retention after the
-wall clock went back; events.jsonl moved or deleted, while running and while away."""
+wall clock went back; events.jsonl moved or deleted, while running and while away; a config file
+garbled or removed while its server crash-loops."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+import yaml
 
 from .conftest import PY, Proc, alive, free_port, wait_until
 from .daemon_harness import Daemon, standin_config, start_daemon, write_setup
@@ -1442,3 +1444,47 @@ def test_seq_goes_on_after_a_restart_without_events_jsonl(
     wait_recorded(tmp_path, "ready", lambda ev: any(e.get("to") == "ready" for e in ev))
     assert min(_seqs(path)) == last + 1
     assert d2.http.get("/events").json()["events"][0]["seq"] == last + 1
+
+
+def test_a_config_file_garbled_or_removed_while_its_server_crash_loops_keeps_it_relaunched(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """Before: the retry after a crash read the file again, and a file half-written or missing
+    just then sent the daemon to `failed` for good (`preflight_refused`); fixing the file
+    brought nothing back. Now the relaunch of the config that was running uses that launch's
+    resolution (a `config_unreadable` event says so), and the next retry reads the file
+    again."""
+    cfg = standin_config("--standin-crash-on-load=cuda_oom")
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {"loop": cfg},
+        default="loop",
+        restart={"initial_delay_s": 1.0, "max_delay_s": 1.0},
+    )
+    first = d.wait_event("server.launch")
+    path = tmp_path / "configs" / "loop.yaml"
+    for fault in ("garbage", "removed"):
+        mark = d.mark()
+        if fault == "garbage":
+            path.write_text("args: [model-path: {unclosed\n")  # as a crash mid-write leaves it
+        else:
+            path.unlink()
+        said = d.wait_event("server.config_unreadable", after=mark, timeout=30)
+        assert said["config"] == "loop" and said["level"] == "warning"
+        assert ("invalid YAML" if fault == "garbage" else "unknown config") in said["error"]
+        again = d.wait_event("server.launch", after=said["_index"], timeout=30)
+        assert again["argv"] == first["argv"]  # the resolution that was running
+        st = d.status()
+        assert st["state"] != "failed" and st["intent"] == {"config": "loop", "running": True}
+    assert not [line for _, line in d.proc.lines if '"server.preflight_refused"' in line]
+
+    # The file fixed: the next retry reads it, and its server comes up.
+    mark = d.mark()
+    path.write_text(yaml.safe_dump(standin_config(port=cfg["args"]["port"])))
+    fixed = d.wait_event("server.launch", after=mark, timeout=30)
+    assert "--standin-crash-on-load" not in fixed["argv"]
+    d.wait_state("ready", after=fixed["_index"], timeout=30)
+    events = d.http.get("/events", params={"limit": 500}).json()["events"]
+    assert [e["event"] for e in events].count("config_unreadable") >= 2  # recorded for good

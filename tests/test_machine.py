@@ -217,10 +217,19 @@ def _every_edge(root: Path) -> set[tuple[ServerState, ServerState]]:
     w.stop()  # BACKOFF -> STOPPED
     seen |= w.edges()
 
-    w = world("unloadable")  # BACKOFF -> FAILED: the config no longer reads at the retry
+    w = world("unloadable")  # the config no longer reads at the retry: as it ran, once more
     w.up()
     w.exits(1)
-    w.send(BackoffElapsed(w.launch.gen, None, "a.yaml: not valid YAML"))
+    ran = w.launch.config
+    w.send(BackoffElapsed(w.launch.gen, None, "a.yaml: not valid YAML", unreadable=True))
+    assert (w.m.state, w.launch.config) == (ServerState.WAITING_GPU, ran)
+    w.stop()
+    seen |= w.edges()
+
+    w = world("lost_retry")  # BACKOFF -> FAILED: no config came of the retry (its task failed)
+    w.up()
+    w.exits(1)
+    w.send(BackoffElapsed(w.launch.gen, None, "the retry task failed: RuntimeError"))
     seen |= w.edges()
 
     w = world("busy", restart={"max_failures": 1})  # WAITING_GPU -> FAILED; STOPPING -> FAILED
