@@ -65,8 +65,8 @@ def add_client_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument(
         "--wait",
         action="store_true",
-        help="wait for the outcome, showing progress (1 on a rollback or failure); a swap is "
-        "waited for through its probation",
+        help="wait for the outcome, showing progress (1 on a rollback or failure), through the "
+        "probation of the config brought up",
     )
     p.add_argument(
         "--no-probation",

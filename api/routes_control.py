@@ -52,8 +52,9 @@ async def stop(supervisor: SupervisorDep) -> Accepted:
     summary="Restart the current config, or swap to another one (preflight first)",
     description="Without `wait`: 202 once accepted. With `wait=true`: 200 with the settled "
     "outcome (`ready`, `rolled_back` or `failed`); with `probation=true` (the default) a swap "
-    "that came up is answered once `probation_s` is over, so `ready` means it stayed up and a "
-    "crash within it answers `rolled_back`. A swap whose preflight fails answers 422 at once "
+    "or restart that came up is answered once `probation_s` is over, so `ready` means it stayed "
+    "up; a crash within it answers `rolled_back` (a restart of the current config, which has "
+    "no rollback: `failed`). A swap whose preflight fails answers 422 at once "
     "and touches nothing.",
     responses={
         **errors(400, 401, 404, 409, 422),
@@ -65,7 +66,7 @@ async def restart(
     config: ConfigParam = None,
     wait: Annotated[bool, Query(description="answer once the restart has settled")] = False,
     probation: Annotated[
-        bool, Query(description="with wait: answer once a swapped-in config passed probation")
+        bool, Query(description="with wait: answer once the config brought up passed probation")
     ] = True,
 ) -> Any:
     result = await supervisor.restart(config, wait=wait, probation=probation)
