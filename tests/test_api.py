@@ -248,7 +248,7 @@ def test_logs_previous_and_stream(procs: list[Proc], tmp_path: Path, fake_gpu: P
     tail = d.http.get("/logs", params={"lines": 500}).json()
     assert tail["launch_id"] == first
     assert any("fired up and ready" in line for line in tail["lines"])
-    d.http.post("/restart", params={"wait": "true"})
+    d.http.post("/restart", params={"wait": "true", "probation": "false"})  # settled at ready
     prev = d.http.get("/logs", params={"launch": "previous", "lines": 5}).json()
     assert prev["launch_id"] == first and prev["lines"]
     with httpx.stream("GET", f"{d.url}/logs/stream", params={"history": 3}, timeout=10) as res:
