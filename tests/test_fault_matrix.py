@@ -590,9 +590,11 @@ def test_descriptors_exhausted_in_the_sweep_is_reported_and_supervision_goes_on(
     assert d.status()["internal_errors"] >= 1
 
 
-def test_a_config_that_stops_decoding_during_backoff_fails_with_its_reason(
+def test_a_config_that_stops_decoding_during_backoff_is_relaunched_as_it_ran(
     procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
+    """A file that stops decoding while its server is in backoff (a partial scp): the retry
+    relaunches the resolution that was running and says why; the config itself is refused."""
     d = start_daemon(
         procs,
         tmp_path,
@@ -601,14 +603,17 @@ def test_a_config_that_stops_decoding_during_backoff_fails_with_its_reason(
         default="f",
         restart={"initial_delay_s": 1.0, "jitter": 0},
     )
+    first = d.wait_event("server.launch", timeout=40)
     d.wait_state("backoff", timeout=40)
+    mark = d.mark()
     (tmp_path / "configs" / "f.yaml").write_bytes(b"args: {x: \xff}\n")  # a partial scp
-    refused = d.wait_event("server.preflight_refused", timeout=20)
-    assert "f.yaml: not UTF-8 text" in refused["detail"]
-    d.wait_state("failed", reason="preflight_refused")
+    said = d.wait_event("server.config_unreadable", after=mark, timeout=20)
+    assert "f.yaml: not UTF-8 text" in said["error"]
+    again = d.wait_event("server.launch", after=said["_index"], timeout=20)
+    assert again["argv"] == first["argv"]
+    assert d.status()["state"] != "failed"
     res = d.http.get("/configs/f")
     assert res.status_code == 422 and "not UTF-8 text" in res.json()["detail"]
-    assert d.status()["next_retry_at"] is None
 
 
 def test_an_undecodable_config_at_boot_is_a_failed_start_with_an_event(

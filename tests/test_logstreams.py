@@ -225,7 +225,10 @@ def test_a_stream_follows_the_next_launch(
     first = d.status()["launch_id"]
     with httpx.stream("GET", f"{d.url}/logs/stream", timeout=30) as res:
         lines = res.iter_lines()
-        assert d.http.post("/restart", params={"wait": "true"}).json()["outcome"] == "ready"
+        assert (
+            d.http.post("/restart", params={"wait": "true", "probation": "false"}).json()["outcome"]
+            == "ready"
+        )
         assert d.status()["launch_id"] != first
         for raw in lines:  # the restarted server's start, on the same stream
             if raw.startswith("data: ") and "fired up and ready" in raw:

@@ -73,7 +73,10 @@ def test_the_daemon_prunes_events_and_dumps_and_get_dump_saves_nothing(
     )
     for _ in range(2):  # each restart writes several events
         mark = d.mark()
-        assert d.http.post("/restart", params={"wait": "true"}).status_code == 200
+        assert (
+            d.http.post("/restart", params={"wait": "true", "probation": "false"}).status_code
+            == 200
+        )
         d.wait_state("ready", after=mark)
     pruned = d.wait_event("server.events_pruned")
     assert pruned["lines"] > 0 and pruned["kept"] >= 10
