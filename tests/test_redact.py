@@ -26,7 +26,7 @@ from gpuwarden.daemon.redact import (
 from gpuwarden.standin.argspec import OptionSpec, add_specs
 
 from .conftest import PY, Proc
-from .daemon_harness import standin_config, start_daemon
+from .daemon_harness import Daemon, standin_config, start_daemon
 from .test_chat import Receiver
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,6 +198,32 @@ def test_view_masks_abbreviated_args_and_flags_inside_command(tmp_path: Path) ->
     assert set(store.load("k").secret_values()) == {"adm-in-command-1", "sk-abbrev-2"}
 
 
+def _crashed_once(
+    procs: list[Proc],
+    tmp_path: Path,
+    fake_gpu: Path,
+    name: str,
+    cfg: dict[str, Any],
+    receiver: Receiver,
+) -> tuple[Daemon, dict[str, Any]]:
+    """A daemon serving `cfg` until its first crash has been posted to `receiver`; with the
+    launch's event."""
+    d = start_daemon(
+        procs,
+        tmp_path,
+        fake_gpu,
+        {name: cfg},
+        default=name,
+        restart={"initial_delay_s": 60},
+        chat={"webhooks": [{"url": receiver.url, "format": "generic"}]},
+    )
+    d.wait_state("ready")
+    d.wait_state("backoff")
+    d.wait_event("server.notify_sent", notice="crash")
+    events = d.http.get("/events", params={"limit": 200}).json()["events"]
+    return d, next(e for e in events if e["event"] == "launch")
+
+
 @pytest.mark.timeout(120)
 def test_abbreviated_and_command_secrets_never_leave_the_daemon(
     procs: list[Proc], tmp_path: Path, fake_gpu: Path
@@ -207,23 +233,7 @@ def test_abbreviated_and_command_secrets_never_leave_the_daemon(
     cfg["command"] = [*STANDIN, f"--admin-api-key={embedded}"]
     receiver = Receiver()
     try:
-        d = start_daemon(
-            procs,
-            tmp_path,
-            fake_gpu,
-            {"guarded": cfg},
-            default="guarded",
-            restart={"initial_delay_s": 60},
-            chat={"webhooks": [{"url": receiver.url, "format": "generic"}]},
-        )
-        d.wait_state("ready")
-        d.wait_state("backoff")
-        d.wait_event("server.notify_sent", notice="crash")
-        launch = next(
-            e
-            for e in d.http.get("/events", params={"limit": 200}).json()["events"]
-            if e["event"] == "launch"
-        )
+        d, launch = _crashed_once(procs, tmp_path, fake_gpu, "guarded", cfg, receiver)
         header = [
             line
             for line in Path(launch["log_file"]).read_text().splitlines()
@@ -386,23 +396,7 @@ def test_url_passwords_variables_and_wrapped_secrets_never_leave_the_daemon(
     cfg["command"] = ["sh", "-c", script, PY]
     receiver = Receiver()
     try:
-        d = start_daemon(
-            procs,
-            tmp_path,
-            fake_gpu,
-            {"wrapped": cfg},
-            default="wrapped",
-            restart={"initial_delay_s": 60},
-            chat={"webhooks": [{"url": receiver.url, "format": "generic"}]},
-        )
-        d.wait_state("ready")
-        d.wait_state("backoff")
-        d.wait_event("server.notify_sent", notice="crash")
-        launch = next(
-            e
-            for e in d.http.get("/events", params={"limit": 200}).json()["events"]
-            if e["event"] == "launch"
-        )
+        d, launch = _crashed_once(procs, tmp_path, fake_gpu, "wrapped", cfg, receiver)
         log_text = Path(launch["log_file"]).read_text()
         # The server did print them: the masking is the daemon's.
         assert secrets["pat"] in log_text and secrets["url"] in log_text
