@@ -16,16 +16,16 @@ from typing import Any
 
 from . import commands
 from .clock import Clock
+from .effects import Effects
 from .gpu import GpuSnapshot
 from .history import LaunchHistory
-from .host import Effects
 from .messages import (
     EventNoted,
     GpuSampled,
     Message,
     OrphansKilled,
     RestartRequested,
-    SaveAgain,
+    SaveDelayElapsed,
     ServerFiguresRead,
     ShutdownRequested,
     StartRequested,
@@ -33,7 +33,7 @@ from .messages import (
     StopRequested,
     SweepBegan,
     SweepEnded,
-    WriteHealth,
+    WriteHealthChanged,
 )
 from .model import Launch, Swap, utc_iso
 from .policy import Classification, describe_returncode
@@ -253,16 +253,16 @@ class Books:
         self.event(msg.kind, **msg.fields)
 
     def on_state_saved(self, msg: StateSaved) -> None:
-        self.on_write_health(WriteHealth("state", msg.error))
+        self.on_write_health_changed(WriteHealthChanged("state", msg.error))
         if msg.error is not None and not self.saving_again:
             self.saving_again = True  # keep trying: the state on disk is stale until it works
             self.host.save_again()
 
-    def on_save_again(self, msg: SaveAgain) -> None:
+    def on_save_delay_elapsed(self, msg: SaveDelayElapsed) -> None:
         self.saving_again = False
         self.persist()
 
-    def on_write_health(self, msg: WriteHealth) -> None:
+    def on_write_health_changed(self, msg: WriteHealthChanged) -> None:
         """A file the daemon writes began failing or works again: an event, a log line, a
         status field and a metric, once per change (not once per failed write)."""
         target, error = msg.target, msg.error

@@ -121,6 +121,5 @@ async def boot_start(sup: Supervisor, name: str, ticket: int, rollback: str | No
     msg = StartRequested(
         name, boot=True, preflight=pre, resolved=cfg, ticket=ticket, last_good=back
     )
-    sup.post(msg)
     with contextlib.suppress(CommandError):
-        await msg.reply
+        await sup.request(msg)

@@ -266,13 +266,36 @@ class ChildProcess:
             return True
         return False
 
+    def on_exit(self, notify: Callable[[int | None], None]) -> None:
+        """`notify(returncode)` once the process has exited: now if it has, else in the very
+        turn its exit is read (a future's callbacks would wait for the next one)."""
+        if self.exited.done():
+            notify(None if self.exited.cancelled() else self.exited.result())
+        else:
+            self.protocol.on_exit = notify
+
+    def detach(self) -> None:
+        """Let go of the server without ending it: our pipe ends are dropped (its output is no
+        longer read here) and its exit is no longer reported."""
+        self.protocol.on_exit = None
+        for pipe in self.protocol.pipes:
+            with contextlib.suppress(Exception):
+                pipe.close()
+        for fd in self.protocol.unread:
+            os.close(fd)
+        self.protocol.unread = []
+
     def kill_group(self) -> None:
         """SIGKILL the whole process group (the server and the children still in it)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pgid, signal.SIGKILL)
             self.signals_sent.append("SIGKILL(group)")
 
-    async def wait_pipes_closed(self, timeout_s: float) -> bool:
+    @property
+    def output_closed(self) -> bool:
+        return self.protocol.pipes_closed.is_set()
+
+    async def wait_output_closed(self, timeout_s: float) -> bool:
         if self.protocol.pipes_closed.is_set():
             return True  # the usual case after an exit: no timer, no task
         try:

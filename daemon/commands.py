@@ -68,7 +68,9 @@ def start(m: Machine, msg: StartRequested) -> dict[str, Any]:
             detail,
             extra={"problems": pre.problems, "warnings": pre.warnings},
         )
-    cfg: ResolvedConfig = msg.resolved
+    cfg = msg.resolved
+    if cfg is None:  # the facade reads it first; one that did not read comes refused above
+        raise CommandError(errors.INVALID_CONFIG, f"config {msg.config!r} was not read")
     swap = m.swap
     if msg.boot and swap is not None and swap.rollback_to is None:
         # A resumed swap: what it rolls back to was read with the config it starts.
@@ -105,7 +107,9 @@ def stop(m: Machine, msg: StopRequested) -> dict[str, Any]:
 def restart(m: Machine, msg: RestartRequested) -> dict[str, Any]:
     cancelled_by_stop(m, msg.ticket, "restart")
     no_swap_under_way(m, msg.sweep_id)
-    cfg: ResolvedConfig = msg.resolved
+    cfg = msg.resolved
+    if cfg is None:
+        raise CommandError(errors.INVALID_CONFIG, f"config {msg.config!r} was not read")
     current = m.current_config()
     serving = m.serving()
     if msg.ensure and serving is not None and m.state == S.READY and current == cfg.name:

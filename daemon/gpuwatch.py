@@ -14,7 +14,7 @@ from gpuwarden.daemon import logsetup
 
 from . import ownership
 from .gpu import GpuBackend, GpuSnapshot, busy_gpus, describe_busy
-from .messages import EventNoted, GpuSampled, GpuWaitDone, OrphansKilled
+from .messages import EventNoted, GpuSampled, GpuWaitEnded, OrphansKilled
 from .settings import Settings
 from .states import ServerState
 from .tasks import Tasks
@@ -42,7 +42,7 @@ class GpuWatch(Tasks):
             # Free at the first look, with a backend that answers at once: no wait to run.
             self._gpu_task = None
             self.post(GpuSampled(launch.gen, snap, frozenset()))
-            self.post(GpuWaitDone(launch.gen, True))
+            self.post(GpuWaitEnded(launch.gen, True))
             return
         deadline = self.settings.gpu.release_timeout_s + self.sweep_deadline_s
         self._gpu_task = self.task(self._wait_for_gpus(launch), gen=launch.gen, deadline_s=deadline)
@@ -61,14 +61,14 @@ class GpuWatch(Tasks):
             self.post(GpuSampled(launch.gen, snap, frozenset()))
             busy = busy_gpus(snap, launch.config.gpus, cfg.busy_above_mib)
             if not busy:
-                self.post(GpuWaitDone(launch.gen, True))
+                self.post(GpuWaitEnded(launch.gen, True))
                 return
             await self.kill_gpu_orphans(busy)
             if not announced:
                 announced = True
                 self.post(EventNoted("gpu_wait", {"detail": describe_busy(busy)}))
             if self.clock.monotonic() >= deadline:
-                self.post(GpuWaitDone(launch.gen, False, describe_busy(busy)))
+                self.post(GpuWaitEnded(launch.gen, False, describe_busy(busy)))
                 return
             await self.clock.sleep(cfg.poll_interval_s)
 

@@ -19,14 +19,14 @@ import os
 import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from gpuwarden.daemon import logsetup
 
 from . import child as childmod
 from . import ownership
 from .clock import Clock
-from .configs import ConfigError, ConfigStore
+from .configs import ConfigError, ConfigStore, redacted_header_lines
 from .gpu import GpuBackend
 from .gpuwatch import GpuWatch
 from .health import Prober
@@ -35,26 +35,28 @@ from .listener import check_listener
 from .logfiles import prune_logs
 from .messages import (
     BackoffElapsed,
-    ChildExited,
     EventNoted,
     LineParsed,
     ListenerChecked,
     Message,
     ProbeFailed,
     ProbeSucceeded,
-    SaveAgain,
+    SaveDelayElapsed,
+    ServerExited,
     Spawned,
     SpawnFailed,
     StateSaved,
-    SweepDone,
+    SweepFinished,
     TaskFailed,
-    WriteHealth,
+    WriteHealthChanged,
 )
+from .model import utc_iso
 from .settings import Settings
 from .sglanglines import Finding, ParsedLine
 from .store import EventLog, StateStore
 
 if TYPE_CHECKING:
+    from .effects import ServerHandle, ServerLog
     from .model import Launch
     from .views import Snapshot
 
@@ -74,30 +76,6 @@ SETTLED_KEPT = 32  # outcomes of settled swaps kept for `restart --wait` callers
 # after it), but never longer than this.
 HOLD_RECORDS_S = 0.25
 FIRST_SLICE_S = 0.01
-
-
-class Effects(Protocol):
-    """What the machine may ask for. Each call returns at once."""
-
-    def record(self, record: dict[str, Any]) -> None: ...
-    def wait_for_gpus(self, launch: Launch) -> None: ...
-    def cancel_gpu_wait(self) -> None: ...
-    def refresh_gpus(self) -> None: ...
-    def spawn(self, launch: Launch, header: list[str]) -> None: ...
-    def abandon(self, child: Any, log: Any) -> None: ...
-    def terminate(self, launch: Launch) -> None: ...
-    def kill_group(self, launch: Launch) -> None: ...
-    def end_tasks(self, launch: Launch) -> None: ...
-    def timer(self, seconds: float, msg: Message, launch: Launch | None = None) -> None: ...
-    def probe(self, launch: Launch, readiness: bool) -> None: ...
-    def check_listener(self, launch: Launch, how: str) -> None: ...
-    def sweep(self, launch: Launch) -> None: ...
-    def close_launch(self, launch: Launch, note: str) -> None: ...
-    def retry_after(self, delay_s: float, gen: int, config: str | None) -> None: ...
-    def cancel_retry(self) -> None: ...
-    def save_again(self) -> None: ...
-    def prune_logs(self, protect: set[str], order: list[str]) -> None: ...
-    def swap_settled(self, swap_id: str, outcome: dict[str, Any]) -> None: ...
 
 
 class Host(GpuWatch):
@@ -179,7 +157,7 @@ class Host(GpuWatch):
             self.task(self._prune_events())
         if self.events.write_error != self._events_error:
             self._events_error = self.events.write_error
-            self.post(WriteHealth("events", self._events_error))
+            self.post(WriteHealthChanged("events", self._events_error))
         for listener in self.event_listeners:
             try:
                 listener(record)
@@ -216,7 +194,7 @@ class Host(GpuWatch):
             self.save(record)
 
     def save_again(self) -> None:
-        self.task(self._fire(SAVE_RETRY_S, SaveAgain()))
+        self.task(self._fire(SAVE_RETRY_S, SaveDelayElapsed()))
 
     def swap_settled(self, swap_id: str, outcome: dict[str, Any]) -> None:
         fut = self.settled(swap_id)
@@ -234,7 +212,7 @@ class Host(GpuWatch):
 
     # -- the GPU wait and the launch -------------------------------------------------------------
 
-    def spawn(self, launch: Launch, header: list[str]) -> None:
+    def spawn(self, launch: Launch) -> None:
         self._early[launch.gen] = []
         # The exec in this very turn (posix_spawn returns at it): the server does not wait for
         # a task's turn of the loop. Its log, its pipes and its first slice are the task's.
@@ -246,6 +224,10 @@ class Host(GpuWatch):
             )
         except Exception as exc:  # OSError from exec; anything else must not strand it
             child = exc
+        header = [
+            f"gpuwarden launch {launch.launch_id} at {utc_iso(self.clock.time())}",
+            *redacted_header_lines(cfg),
+        ]
         task = self.task(self._spawn(launch, header, child), gen=launch.gen)
         task.add_done_callback(lambda t: self._spawn_ended(t, launch.gen, child))
 
@@ -276,7 +258,7 @@ class Host(GpuWatch):
                 header,
                 on_lines=lambda lines, parsed: self._on_lines(launch, lines, parsed),
                 redact=launch.redactor.text,
-                on_write=lambda error: self.post(WriteHealth("launch_log", error, gen)),
+                on_write=lambda error: self.post(WriteHealthChanged("launch_log", error)),
                 max_bytes=self.settings.log_retention.max_bytes,
             )
 
@@ -315,12 +297,7 @@ class Host(GpuWatch):
             posted = True
             for msg in self._early.pop(gen, []):
                 self.post(msg)
-            if child.exited.done():  # it exited within its first slice
-                self.post(
-                    ChildExited(gen, None if child.exited.cancelled() else child.exited.result())
-                )
-            else:
-                child.protocol.on_exit = lambda returncode: self.post(ChildExited(gen, returncode))
+            child.on_exit(lambda returncode: self.post(ServerExited(gen, returncode)))
             self.flush_records()  # what the relaunch held back, now that the server runs
         finally:
             if not posted and isinstance(child, childmod.ChildProcess):
@@ -329,10 +306,11 @@ class Host(GpuWatch):
             for msg in self._early.pop(gen, []):
                 self.post(msg)
 
-    def abandon(self, child: Any, log: Any) -> None:
-        child.kill_group()
-        child.close()
-        log.close("abandoned: no launch attempt wants it")
+    def abandon(self, server: ServerHandle, log: ServerLog) -> None:
+        server.kill_group()
+        server.close()
+        if isinstance(log, LaunchLog):
+            log.close("abandoned: no launch attempt wants it")
 
     def _on_lines(
         self, launch: Launch, lines: list[str], parsed: list[tuple[str, ParsedLine]]
@@ -439,7 +417,7 @@ class Host(GpuWatch):
         the GPU wait that comes before any launch samples NVML anyway, killing holders of ours
         on the GPUs it waits for."""
         child = launch.child
-        if child is None or not self.subreaper or not child.protocol.pipes_closed.is_set():
+        if child is None or not self.subreaper or not child.output_closed:
             return False
         try:
             if not childmod.nothing_left(child.pgid):
@@ -448,14 +426,14 @@ class Host(GpuWatch):
                 return False
         except Exception:  # the task's path tries again, and reports what fails
             return False
-        self.post(SweepDone(launch.gen, []))
+        self.post(SweepFinished(launch.gen, []))
         return True
 
     async def _after_exit(self, launch: Launch) -> None:
         """Let the last output in (bounded: a grandchild may hold the pipes), then sweep."""
         child = launch.child
         assert child is not None
-        await child.wait_pipes_closed(PIPE_DRAIN_S)
+        await child.wait_output_closed(PIPE_DRAIN_S)
         killed: list[childmod.Leftover] = []
         if not (self.subreaper and childmod.nothing_left(child.pgid)):
             leftovers = await asyncio.to_thread(childmod.find_leftovers, launch.token, child.pgid)
@@ -464,7 +442,7 @@ class Host(GpuWatch):
         # Holders of ours the tree walk could not reach (an earlier launch's orphans).
         snap = await self.gpu_snapshot()
         report += await self.kill_gpu_orphans(list(snap.gpus))
-        self.post(SweepDone(launch.gen, report))
+        self.post(SweepFinished(launch.gen, report))
 
     def retry_after(self, delay_s: float, gen: int, config: str | None) -> None:
         if delay_s <= 0 and config and self._retry_unchanged(gen, config):

@@ -4,9 +4,9 @@
 on one message synchronously: no awaits, processes, files or clocks of its own. What it decides
 leaves through the host (`host.py`), whose tasks post outcomes back; sites say `# FROM -> TO`.
 
-A crash, read top to bottom: `ChildExited` (`# READY -> STOPPING`, host.sweep) → `SweepDone`
+A crash, read top to bottom: `ServerExited` (`# READY -> STOPPING`, host.sweep) → `SweepFinished`
 (classify, record, the restart policy: `# STOPPING -> BACKOFF`, host.retry_after) →
-`BackoffElapsed` (`# BACKOFF -> WAITING_GPU`, host.wait_for_gpus) → `GpuWaitDone`
+`BackoffElapsed` (`# BACKOFF -> WAITING_GPU`, host.wait_for_gpus) → `GpuWaitEnded`
 (host.spawn) → `Spawned` (`# WAITING_GPU -> STARTING`, probes and the startup timer).
 """
 
@@ -14,25 +14,25 @@ from __future__ import annotations
 
 from . import commands
 from .books import Books
-from .configs import ResolvedConfig, redacted_header_lines
+from .configs import ResolvedConfig
 from .messages import (
     BackoffElapsed,
-    ChildExited,
     GpuSampled,
-    GpuWaitDone,
+    GpuWaitEnded,
     GraceExpired,
     LineParsed,
     ListenerChecked,
     ProbationOver,
     ProbeFailed,
     ProbeSucceeded,
+    ServerExited,
     Spawned,
     SpawnFailed,
-    StableUptime,
+    StableUptimeReached,
     StartupTimedOut,
-    SweepDone,
+    SweepFinished,
     TaskFailed,
-    WriteHealth,
+    WriteHealthChanged,
 )
 from .model import Launch, Next, Swap, utc_iso, utc_stamp
 from .policy import NOT_RETRIED, Classification, backoff_delay, classify_exit
@@ -55,7 +55,7 @@ class Machine(Books):
             self.transition(S.WAITING_GPU, config=cfg.name)  # STOPPED|STOPPING|BACKOFF|FAILED ->
         self.host.wait_for_gpus(self.launch)
 
-    def on_gpu_wait_done(self, msg: GpuWaitDone) -> None:
+    def on_gpu_wait_ended(self, msg: GpuWaitEnded) -> None:
         launch = self.current(msg.gen)
         if launch is None or self.state != S.WAITING_GPU:
             return
@@ -68,11 +68,7 @@ class Machine(Books):
         launch.launch_id = f"{utc_stamp(self.clock.time())}-{self.launch_seq:06d}"
         launch.redactor = Redactor(launch.config.secret_values())
         launch.spawning = True
-        header = [
-            f"gpuwarden launch {launch.launch_id} at {utc_iso(self.clock.time())}",
-            *redacted_header_lines(launch.config),
-        ]
-        self.host.spawn(launch, header)
+        self.host.spawn(launch)
 
     def on_spawn_failed(self, msg: SpawnFailed) -> None:
         launch = self.current(msg.gen)
@@ -89,10 +85,12 @@ class Machine(Books):
     def on_spawned(self, msg: Spawned) -> None:
         launch = self.current(msg.gen)
         if launch is None:  # no attempt wants it (a spawn is never overtaken: defensive)
-            self.host.abandon(msg.child, msg.log)
+            self.host.abandon(msg.server, msg.log)
             return
-        launch.spawning, launch.child, launch.log = False, msg.child, msg.log
-        self.on_write_health(WriteHealth("launch_log", None))  # a new file: any gap is over
+        launch.spawning, launch.child, launch.log = False, msg.server, msg.log
+        self.on_write_health_changed(
+            WriteHealthChanged("launch_log", None)
+        )  # a new file: any gap is over
         if launch.swap is not None:
             launch.swap.launch_ids.append(launch.launch_id)
             if launch.swap.phase == SwapPhase.WAITING_GPU:
@@ -102,7 +100,7 @@ class Machine(Books):
         record: dict[str, object] = {
             "launch_id": launch.launch_id,
             "config": launch.config.name,
-            "pid": msg.child.pid,
+            "pid": msg.server.pid,
             "started_at": utc_iso(launch.started_at),
             "ready_at": None,
             "log_file": path,
@@ -116,12 +114,12 @@ class Machine(Books):
         self.persist()
         if self.state == S.STOPPING:  # stopped while it executed: it goes now
             self.event(
-                "launch", pid=msg.child.pid, argv=launch.config.redacted_argv(), log_file=path
+                "launch", pid=msg.server.pid, argv=launch.config.redacted_argv(), log_file=path
             )
             self._terminate(launch)
             return
-        self.transition(S.STARTING, pid=msg.child.pid, log_file=path)  # WAITING_GPU -> STARTING
-        self.event("launch", pid=msg.child.pid, argv=launch.config.redacted_argv(), log_file=path)
+        self.transition(S.STARTING, pid=msg.server.pid, log_file=path)  # WAITING_GPU -> STARTING
+        self.event("launch", pid=msg.server.pid, argv=launch.config.redacted_argv(), log_file=path)
         health = launch.config.config.health
         self.host.timer(health.startup_timeout_s, StartupTimedOut(launch.gen), launch)
         self.host.probe(launch, readiness=True)
@@ -231,7 +229,9 @@ class Machine(Books):
             self.last_good_config, self.last_good_launch = launch.config.name, launch.launch_id
         self.persist()
         self.host.probe(launch, readiness=False)
-        self.host.timer(self.settings.restart.reset_after_s, StableUptime(launch.gen), launch)
+        self.host.timer(
+            self.settings.restart.reset_after_s, StableUptimeReached(launch.gen), launch
+        )
         self.host.refresh_gpus()
 
     def on_probe_failed(self, msg: ProbeFailed) -> None:
@@ -287,7 +287,7 @@ class Machine(Books):
             launch, "startup_timeout", f"not ready within startup_timeout_s={timeout:g}"
         )
 
-    def on_stable_uptime(self, msg: StableUptime) -> None:
+    def on_stable_uptime_reached(self, msg: StableUptimeReached) -> None:
         if self.current(msg.gen) is None or self.state != S.READY:
             return
         if self.failures or self.crash_loop:
@@ -334,7 +334,7 @@ class Machine(Books):
         )
         self.host.kill_group(launch)
 
-    def on_child_exited(self, msg: ChildExited) -> None:
+    def on_server_exited(self, msg: ServerExited) -> None:
         launch = self.current(msg.gen)
         if launch is None or launch.exited:
             return
@@ -345,7 +345,7 @@ class Machine(Books):
             self.transition(S.STOPPING, returncode=msg.returncode, detail="the server exited")
         self.host.sweep(launch)
 
-    def on_sweep_done(self, msg: SweepDone) -> None:
+    def on_sweep_finished(self, msg: SweepFinished) -> None:
         launch = self.current(msg.gen)
         if launch is None or launch.child is None or self.state != S.STOPPING:
             return
@@ -490,7 +490,7 @@ class Machine(Books):
             if launch is not None and launch.exited and self.state == S.STOPPING:
                 # Degrade: the exit is handled without the sweep (leftovers may remain; the
                 # next launch's GPU wait still finds and kills holders of ours).
-                self.on_sweep_done(SweepDone(msg.gen, []))
+                self.on_sweep_finished(SweepFinished(msg.gen, []))
         elif msg.name == "spawn":  # no process came of it
             self.on_spawn_failed(SpawnFailed(msg.gen, "internal_error", evidence))
         elif msg.name == "retry":  # the retry's config read is lost: as a config that did not read

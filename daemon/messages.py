@@ -1,21 +1,25 @@
-"""The messages of the supervisor's inbox: commands (past-participle requests) and what helper
-tasks report (past tense). An "event" is something else: a record in events.jsonl.
+"""The messages of the supervisor's inbox, plain typed data named in the past tense: commands
+(requests) and what the host's tasks report. An "event" is something else: a record in
+events.jsonl.
 
-Commands carry a reply future; internal events carry the launch generation they belong to, so
-a timer or probe of an earlier launch that fires late is dropped.
+A command's answer goes back through the future the facade (`supervisor.py`) keeps beside the
+message in its inbox; internal messages carry the launch generation they belong to, so a timer
+or probe of an earlier launch that fires late is dropped.
 """
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .sglanglines import ParsedLine
 
-
-def _future() -> asyncio.Future[Any]:
-    return asyncio.get_running_loop().create_future()
+if TYPE_CHECKING:
+    from .configs import ResolvedConfig
+    from .effects import ServerHandle, ServerLog
+    from .gpu import GpuSnapshot
+    from .listener import ListenerCheck
+    from .preflight import PreflightResult
 
 
 # -- commands (from the API, the CLI through the API, and the daemon itself) ----------------------
@@ -24,38 +28,33 @@ def _future() -> asyncio.Future[Any]:
 @dataclass(frozen=True)
 class StartRequested:
     config: str | None
-    reply: asyncio.Future[Any] = field(default_factory=_future)
     boot: bool = False
-    preflight: Any = None  # a PreflightResult, checked before the message was posted
-    resolved: Any = None  # the ResolvedConfig, read off the owner before the message was posted
+    preflight: PreflightResult | None = None  # checked before the message was posted
+    resolved: ResolvedConfig | None = None  # read off the owner before the message was posted
     ticket: int = 0  # when it was asked for: a stop asked for later cancels it
-    last_good: Any = None  # a resumed swap's rollback config, read ahead like `resolved`
+    last_good: ResolvedConfig | None = None  # a resumed swap's rollback config, read ahead
 
 
 @dataclass(frozen=True)
 class StopRequested:
-    reply: asyncio.Future[Any] = field(default_factory=_future)
     ticket: int = 0
 
 
 @dataclass(frozen=True)
 class RestartRequested:
     config: str | None
-    reply: asyncio.Future[Any] = field(default_factory=_future)
-    preflight: Any = None
+    preflight: PreflightResult | None = None
     sweep_id: str | None = None  # a sweep's own swaps pass its 409
-    resolved: Any = None
+    resolved: ResolvedConfig | None = None
     ticket: int = 0
     # The last good config, read ahead: what a failed swap rolls back to when nothing serves.
-    last_good: Any = None
+    last_good: ResolvedConfig | None = None
     ensure: bool = False  # nothing to do when this config is already ready (a sweep's step)
 
 
 @dataclass(frozen=True)
 class ShutdownRequested:
     """The daemon is exiting: stop the server, keep the saved intent."""
-
-    reply: asyncio.Future[Any] = field(default_factory=_future)
 
 
 # -- internal events ------------------------------------------------------------------------------
@@ -66,8 +65,8 @@ class Spawned:
     """The launch's log was created and its server executed."""
 
     gen: int
-    child: Any  # child.ChildProcess
-    log: Any  # launchlog.LaunchLog
+    server: ServerHandle
+    log: ServerLog
 
 
 @dataclass(frozen=True)
@@ -81,14 +80,14 @@ class SpawnFailed:
 
 
 @dataclass(frozen=True)
-class GpuWaitDone:
+class GpuWaitEnded:
     gen: int
     ok: bool
     busy: str = ""
 
 
 @dataclass(frozen=True)
-class ChildExited:
+class ServerExited:
     gen: int
     returncode: int | None
 
@@ -112,14 +111,13 @@ class ListenerChecked:
 
     gen: int
     how: str  # what said ready: "ready line" or the probe's detail
-    check: Any  # listener.ListenerCheck
+    check: ListenerCheck
 
 
 @dataclass(frozen=True)
 class ProbeFailed:
     gen: int
     detail: str
-    readiness: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,7 +131,7 @@ class GraceExpired:
 
 
 @dataclass(frozen=True)
-class SweepDone:
+class SweepFinished:
     gen: int
     killed: list[dict[str, Any]]
 
@@ -143,13 +141,13 @@ class BackoffElapsed:
     """The backoff's delay is over and the intent's config was read for the retry."""
 
     gen: int
-    resolved: Any = None  # the ResolvedConfig, or None with `error`
+    resolved: ResolvedConfig | None = None  # None: with `error`
     error: str | None = None
     unreadable: bool = False  # the error is the config's file: missing, unreadable, not parsed
 
 
 @dataclass(frozen=True)
-class StableUptime:
+class StableUptimeReached:
     """`reset_after_s` of ready: consecutive failures are forgiven."""
 
     gen: int
@@ -165,7 +163,7 @@ class GpuSampled:
     """A GPU snapshot and the pids of the running launch's tree, taken off the owner."""
 
     gen: int
-    snapshot: Any
+    snapshot: GpuSnapshot
     tree: frozenset[tuple[int, float]]
     unresolved: tuple[int, ...] = ()  # holders' pids this daemon cannot see (NVML only)
 
@@ -202,12 +200,11 @@ class StateSaved:
 
 
 @dataclass(frozen=True)
-class WriteHealth:
+class WriteHealthChanged:
     """A file the daemon writes started failing (`error`) or works again (None)."""
 
     target: str
     error: str | None
-    gen: int = 0
 
 
 @dataclass(frozen=True)
@@ -230,12 +227,11 @@ class ServerFiguresRead:
 
     gen: int
     figures: dict[str, Any]
-    reply: asyncio.Future[Any] = field(default_factory=_future)
 
 
 @dataclass(frozen=True)
-class SaveAgain:
-    """Retry a failed state.json write."""
+class SaveDelayElapsed:
+    """The wait before retrying a failed state.json write is over."""
 
 
 Message = (
@@ -245,26 +241,26 @@ Message = (
     | ShutdownRequested
     | Spawned
     | SpawnFailed
-    | GpuWaitDone
-    | ChildExited
+    | GpuWaitEnded
+    | ServerExited
     | LineParsed
     | ProbeSucceeded
     | ListenerChecked
     | ProbeFailed
     | StartupTimedOut
     | GraceExpired
-    | SweepDone
+    | SweepFinished
     | BackoffElapsed
-    | StableUptime
+    | StableUptimeReached
     | EventNoted
     | ProbationOver
     | GpuSampled
     | OrphansKilled
     | TaskFailed
     | StateSaved
-    | WriteHealth
+    | WriteHealthChanged
     | SweepBegan
     | SweepEnded
-    | SaveAgain
+    | SaveDelayElapsed
     | ServerFiguresRead
 )

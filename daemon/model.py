@@ -17,9 +17,8 @@ from .sglanglines import Finding
 from .states import SwapPhase
 
 if TYPE_CHECKING:
-    from .child import ChildProcess
     from .configs import ResolvedConfig
-    from .launchlog import LaunchLog
+    from .effects import ServerHandle, ServerLog
     from .policy import Classification
 
 MAX_FINDINGS = 200
@@ -43,8 +42,8 @@ class Launch:
     config: ResolvedConfig
     launch_id: str = ""
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
-    log: LaunchLog | None = None
-    child: ChildProcess | None = None
+    log: ServerLog | None = None
+    child: ServerHandle | None = None
     redactor: Redactor = field(default_factory=Redactor)
     spawning: bool = False  # the host is creating the log and executing the server
     started_at: float | None = None

@@ -66,7 +66,8 @@ class Supervisor:
             settings.state_dir / "events.jsonl", retain=settings.retention.events
         )
         self.preflight = preflight or Preflight()
-        self._inbox: asyncio.Queue[Message] = asyncio.Queue()
+        # Each message with the future its sender awaits the answer on (None: nobody waits).
+        self._inbox: asyncio.Queue[tuple[Message, asyncio.Future[Any] | None]] = asyncio.Queue()
         self.host = Host(
             settings,
             gpu=gpu,
@@ -116,17 +117,16 @@ class Supervisor:
         await self._handled()
         try:
             while not self.machine.finished:
-                msg = await self._inbox.get()
+                msg, reply = await self._inbox.get()
                 self._handling_since = self.host.real.monotonic()
-                self._dispatch(msg)
+                self._dispatch(msg, reply)
                 await self._handled()
                 self._handling_since = None
         finally:
             self._save(now=True)
             await self.host.close()
 
-    def _dispatch(self, msg: Message) -> None:
-        reply: asyncio.Future[Any] | None = getattr(msg, "reply", None)
+    def _dispatch(self, msg: Message, reply: asyncio.Future[Any] | None) -> None:
         try:
             result = self.machine.handle(msg)
         except CommandError as exc:
@@ -142,7 +142,8 @@ class Supervisor:
                     self.machine.recover(type(msg).__name__, exc)
             return
         if isinstance(msg, ShutdownRequested):
-            self._shutdown_replies.append(msg.reply)
+            if reply is not None:
+                self._shutdown_replies.append(reply)
         elif reply is not None and not reply.done():
             reply.set_result(result)
         if self.machine.finished:
@@ -194,7 +195,7 @@ class Supervisor:
         self._save(now=True)
 
     def post(self, msg: Message) -> None:
-        self._inbox.put_nowait(msg)
+        self._inbox.put_nowait((msg, None))
 
     def post_event(self, kind: str, **fields: Any) -> None:
         """Record an event from outside the owner: posted, so the owner records it."""
@@ -202,9 +203,11 @@ class Supervisor:
 
     # -- commands --------------------------------------------------------------------------------
 
-    async def request(self, msg: Any) -> Any:  # a StartRequested, StopRequested or RestartRequested
-        self.post(msg)
-        return await msg.reply
+    async def request(self, msg: Message) -> Any:
+        """Post a message and wait for the machine's answer to it (a refusal raises)."""
+        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._inbox.put_nowait((msg, reply))
+        return await reply
 
     def _take_ticket(self) -> int:
         self._ticket += 1
@@ -364,9 +367,7 @@ class Supervisor:
 
     async def shutdown(self) -> None:
         """Stop the server (the saved intent is kept) and end `run`."""
-        msg = ShutdownRequested()
-        self.post(msg)
-        await msg.reply
+        await self.request(ShutdownRequested())
 
     def sweep_began(
         self,

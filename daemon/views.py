@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 from . import ownership
 from .configs import ConfigError, ConfigStore
 from .gpu import GpuSnapshot
+from .launchlog import LaunchLog
 from .model import utc_iso
 from .redact import Fingerprints, Redactor
 from .states import ServerState
 
 if TYPE_CHECKING:
-    from .launchlog import LaunchLog
     from .machine import Machine
 
 
@@ -97,7 +97,7 @@ def take(m: Machine) -> Snapshot:
         started_at=launch.started_at if launch else None,
         ready_at=launch.ready_at if launch else None,
         ready_mono=launch.ready_mono if launch else None,
-        log=launch.log if launch else None,
+        log=launch.log if launch and isinstance(launch.log, LaunchLog) else None,
         redactor=launch.redactor if launch else Redactor(),
         last_good_config=m.last_good_config,
         last_good_launch=m.last_good_launch,

@@ -40,7 +40,7 @@ async def run(argv: list[str], env: dict[str, str]) -> tuple[int | None, bytes, 
     try:
         await child.read_output(on_output)
         code = await asyncio.wait_for(asyncio.shield(child.exited), 30)
-        assert await child.wait_pipes_closed(30)
+        assert await child.wait_output_closed(30)
     finally:
         child.close()
     return code, out[1], out[2]

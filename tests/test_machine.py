@@ -17,20 +17,20 @@ from gpuwarden.daemon.listener import ListenerCheck
 from gpuwarden.daemon.machine import Machine
 from gpuwarden.daemon.messages import (
     BackoffElapsed,
-    ChildExited,
-    GpuWaitDone,
+    GpuWaitEnded,
     LineParsed,
     ListenerChecked,
     Message,
     ProbeFailed,
     ProbeSucceeded,
     RestartRequested,
+    ServerExited,
     ShutdownRequested,
     Spawned,
     SpawnFailed,
     StartRequested,
     StopRequested,
-    SweepDone,
+    SweepFinished,
     TaskFailed,
 )
 from gpuwarden.daemon.model import Launch, Swap
@@ -147,7 +147,7 @@ class World:
         return self.send(StopRequested(ticket=self.next_ticket()))
 
     def gpus_free(self) -> None:
-        self.send(GpuWaitDone(self.launch.gen, True))
+        self.send(GpuWaitEnded(self.launch.gen, True))
 
     def spawned(self) -> None:
         self.pids += 1
@@ -165,8 +165,8 @@ class World:
 
     def exits(self, code: int = 1) -> None:
         gen = self.launch.gen
-        self.send(ChildExited(gen, code))
-        self.send(SweepDone(gen, []))
+        self.send(ServerExited(gen, code))
+        self.send(SweepFinished(gen, []))
 
     def relaunch(self) -> None:
         """The next attempt of a restart or swap, to a running server."""
@@ -234,7 +234,7 @@ def _every_edge(root: Path) -> set[tuple[ServerState, ServerState]]:
 
     w = world("busy", restart={"max_failures": 1})  # WAITING_GPU -> FAILED; STOPPING -> FAILED
     w.start()
-    w.send(GpuWaitDone(w.launch.gen, False, "GPU 0: pid 7 holds 900 MiB"))
+    w.send(GpuWaitEnded(w.launch.gen, False, "GPU 0: pid 7 holds 900 MiB"))
     w.start()
     w.gpus_free()
     w.spawned()
@@ -328,7 +328,7 @@ def _every_phase_edge(root: Path) -> set[tuple[SwapPhase, SwapPhase]]:
     w.up()
     w.restart("b")
     w.exits(0)
-    w.send(GpuWaitDone(w.launch.gen, False, "GPU 0 busy"))
+    w.send(GpuWaitEnded(w.launch.gen, False, "GPU 0 busy"))
     seen |= set(w.m.phases)
 
     w = world("stop-waiting", **FAST)  # WAITING_GPU -> DONE: stopped in the new GPU wait

@@ -393,9 +393,9 @@ def spawned(sup: Supervisor) -> list[Any]:
     launches: list[Any] = []
     spawn = sup.host.spawn
 
-    def recording(launch: Any, header: list[str]) -> None:
+    def recording(launch: Any) -> None:
         launches.append(launch)
-        spawn(launch, header)
+        spawn(launch)
 
     sup.host.spawn = recording  # type: ignore[method-assign]
     return launches
