@@ -39,6 +39,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return code
     on = render.colour_on(sys.stdout)
     state = render.state_text(st["state"], on)
+    if st.get("booting"):
+        state += "  " + render.paint("(booting: restoring the previous life)", "yellow", on)
     if st.get("crash_loop"):
         state += "  " + render.paint("(crash loop)", "red", on)
     if st.get("uptime_s") is not None:

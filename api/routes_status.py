@@ -18,14 +18,15 @@ public = APIRouter(tags=["status"])
 
 @public.get(
     "/healthz",
-    summary="The daemon is alive and supervising (no auth); 503 when supervision is stuck",
+    summary="The daemon is alive and supervising (no auth; `booting` while it restores its "
+    "previous life); 503 when supervision is stuck",
     responses={503: {"description": "supervision is stuck (the detail says why)"}},
 )
 async def healthz(supervisor: SupervisorDep) -> Any:
     stuck = supervisor.stuck()
     if stuck is not None:
         return JSONResponse({"ok": False, "detail": stuck}, status_code=503)
-    return {"ok": True}
+    return {"ok": True, "booting": supervisor.booting()}
 
 
 @public.get(

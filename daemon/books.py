@@ -35,7 +35,7 @@ from .messages import (
     SweepEnded,
     WriteHealthChanged,
 )
-from .model import Launch, Swap, utc_iso
+from .model import Boot, Launch, Swap, utc_iso
 from .policy import Classification, describe_returncode
 from .settings import Settings
 from .states import RUNNING_STATES, ServerState, SwapPhase, check_phase, check_transition
@@ -62,6 +62,7 @@ class Books:
         self.dirty = False  # the saved state is stale: saved once after this message
         self.gen = 0
         self.launch: Launch | None = None
+        self.boot: Boot | None = None  # the daemon's start, under way (`on_boot_began`)
         self.swap: Swap | None = None
         self.intent_config: str | None = None
         self.intent_running = False

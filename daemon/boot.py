@@ -1,8 +1,8 @@
-"""The daemon's start: its previous life's record read back, a server that life left running
-stopped, and the saved intent started again (through the same preflight as a start); a sweep
-that life did not finish ends on the config it was to end on.
-
-Runs in the owner task before it handles its first message.
+"""The daemon's start, on the world's side: what its previous life left (state.json, a server
+still running) read off the owner and handed to the machine as one message (`BootBegan`);
+the machine decides (`machine.py`, `on_boot_began`) and asks for the rest: that server
+stopped (`stop_previous`), then the saved intent read and preflighted like any start
+(`boot_start`). Commands that arrive meanwhile are handled in order with these.
 """
 
 from __future__ import annotations
@@ -12,114 +12,77 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from . import child as childmod
-from . import reading, saved
+from . import reading
 from .errors import CommandError
-from .messages import StartRequested
-from .preflight import PreflightResult
+from .messages import BootBegan, StartRequested
+from .model import PreviousServer
+from .preflight import Preflight, PreflightResult
 
 if TYPE_CHECKING:
-    from .configs import ResolvedConfig
-    from .machine import Machine
-    from .store import EventLog, StateStore
-    from .supervisor import Supervisor
+    from .configs import ConfigStore, ResolvedConfig
+    from .store import StateStore
 
 BOOT_DEADLINE_S = 300.0  # the boot's config read and preflight (two introspections at most)
 
 
-async def restore(
-    machine: Machine,
-    store: StateStore,
-    grace_s: float,
-    default_config: str | None,
-    events: EventLog | None = None,
-) -> tuple[str | None, str | None]:
-    """Read state.json into the machine and stop what the previous life left running.
-    Returns the config to start (None: none) and what a resumed swap rolls back to.
-    `events` continues its `seq` from the one state.json recorded when that is higher (the
-    events file may be gone)."""
+async def survey(store: StateStore, boot_id: str) -> BootBegan:
+    """state.json as the previous life left it, and which of its processes still live."""
     data, note = await asyncio.to_thread(store.load)
-    if events is not None:
-        with contextlib.suppress(TypeError, ValueError):
-            events.seq = max(events.seq, int(data.get("events_seq") or 0))
-    if note:
-        machine.event("state_file_corrupt", detail=note)
-    saved.restore(machine, data, childmod.is_alive)
-    swept = saved.interrupted_sweep(data)
-    if swept is not None:
-        # The sweep ended with that life: its config does not go on serving; the config the
-        # sweep was to end on does (none: none was serving before it).
-        sweep_id, back = swept
-        machine.set_intent(back or machine.intent_config, back is not None)
-        data = {**data, "intent": {"config": machine.intent_config, "running": back is not None}}
-        machine.event(
-            "sweep_interrupted",
-            sweep_id=sweep_id,
-            restore_to=back,
-            detail=f"the daemon stopped during sweep {sweep_id}; "
-            + (f"{back} serves again" if back else "nothing was serving before it"),
-        )
-    current = data.get("current_launch") or {}
-    stopped = await stop_previous_life(machine, current or None, grace_s)
-    machine.close_unobserved(str(current.get("launch_id") or "") if stopped else "")
-    name = saved.boot_config(data, default_config)
-    rollback = None
-    if name:
-        record = data.get("swap")
-        swap = saved.resumed_swap(record, name)
-        if swap is not None:
-            machine.resume_swap(swap, record.get("phase") if isinstance(record, dict) else None)
-            rollback = swap.rollback_name or machine.last_good_config
-    return name, rollback
+    previous, alive_known = await asyncio.to_thread(_survey, data, boot_id)
+    return BootBegan(data, note, previous, alive_known)
 
 
-async def stop_previous_life(
-    machine: Machine, record: dict[str, Any] | None, grace_s: float
-) -> bool:
-    """A server group from the daemon's previous life, still alive, is stopped first."""
-    if not record:
-        return False
-    pid = int(record.get("pid") or 0)
-    same_boot = record.get("boot_id") == childmod.boot_id()
-    create_time = record.get("create_time")
-    alive = same_boot and pid > 0 and childmod.is_alive(pid, create_time)
-    launch_id = str(record.get("launch_id") or "")
+def _survey(
+    data: dict[str, Any], boot_id: str
+) -> tuple[PreviousServer | None, frozenset[tuple[int, float]]]:
+    alive_known: set[tuple[int, float]] = set()
+    for item in data.get("known_processes") or []:
+        with contextlib.suppress(TypeError, ValueError, IndexError):
+            pid, ct = int(item[0]), float(item[1])
+            if childmod.is_alive(pid, ct):
+                alive_known.add((pid, ct))
+    return _previous(data.get("current_launch") or None, boot_id), frozenset(alive_known)
+
+
+def _previous(record: Any, boot_id: str) -> PreviousServer | None:
+    """The server the record names, if it still runs on this boot (by pid and create time), or
+    processes of its launch left behind (by the launch's token in their environment)."""
+    if not isinstance(record, dict) or record.get("boot_id") != boot_id:
+        return None
+    try:
+        pid = int(record.get("pid") or 0)
+        pgid = int(record.get("pgid") or pid)
+        create_time = float(record["create_time"]) if record.get("create_time") else None
+    except (TypeError, ValueError):
+        return None
     token = str(record.get("token") or "")
-    leftovers = (
-        childmod.find_leftovers(token, record.get("pgid") if alive else None)
-        if (same_boot and (token or alive))
-        else []
-    )
-    if not alive and not leftovers:
-        return False
-    machine.event(
-        "previous_server_found",
-        pid=pid,
-        launch_id=launch_id,
-        detail="a server from the daemon's previous life is still running; stopping it",
-    )
-    pgid = int(record.get("pgid") or pid)
-    if alive:
-        await childmod.stop_foreign(pid, create_time, pgid, grace_s)
-    killed = await childmod.kill_leftovers(childmod.find_leftovers(token, pgid))
-    machine.event(
-        "previous_server_stopped", pid=pid, killed=[{"pid": k.pid, "name": k.name} for k in killed]
-    )
-    return alive
+    alive = pid > 0 and childmod.is_alive(pid, create_time)
+    if not alive and not (token and childmod.find_leftovers(token)):
+        return None
+    launch_id = str(record.get("launch_id") or "")
+    return PreviousServer(pid, pgid, create_time, launch_id, token, alive)
 
 
-async def boot_start(sup: Supervisor, name: str, ticket: int, rollback: str | None) -> None:
-    """The boot's start: the preflight gates it too, run off the owner; then it is posted
-    like any start (a stop asked for meanwhile wins: its `ticket` is older)."""
+async def stop_previous(prev: PreviousServer, grace_s: float) -> list[dict[str, Any]]:
+    """SIGTERM to that server's group, SIGKILL after `grace_s`; then whatever of its launch is
+    left. Returns the processes killed, as the event records them."""
+    if prev.alive:
+        await childmod.stop_foreign(prev.pid, prev.create_time, prev.pgid, grace_s)
+    found = await asyncio.to_thread(childmod.find_leftovers, prev.token, prev.pgid)
+    killed = await childmod.kill_leftovers(found)
+    return [{"pid": k.pid, "name": k.name} for k in killed]
+
+
+async def boot_start(
+    configs: ConfigStore, preflight: Preflight, name: str, rollback: str | None
+) -> StartRequested:
+    """The boot's start: read and preflighted like any start, off the owner."""
     cfg: ResolvedConfig | None = None
     try:
-        cfg, pre = await reading.for_command(sup.configs, name)
+        cfg, pre = await reading.for_command(configs, name)
     except CommandError as exc:
         pre = PreflightResult(ok=False, problems=[exc.detail])
     if cfg is not None:
-        pre = await sup.preflight.check(cfg)
-    back = await reading.quietly(sup.configs, rollback, cfg)
-    msg = StartRequested(
-        name, boot=True, preflight=pre, resolved=cfg, ticket=ticket, last_good=back
-    )
-    with contextlib.suppress(CommandError):
-        await sup.request(msg)
+        pre = await preflight.check(cfg)
+    back = await reading.quietly(configs, rollback, cfg)
+    return StartRequested(name, boot=True, preflight=pre, resolved=cfg, last_good=back)

@@ -50,7 +50,29 @@ def no_swap_under_way(m: Machine, sweep_id: str | None = None) -> None:
         )
 
 
+def during_boot(m: Machine, what: str) -> None:
+    """A command asked while the daemon boots is handled in order with the boot: while the
+    previous life's server is being stopped, a start or restart is refused (it would race
+    that server for its port and GPUs); after, it replaces what the boot was to start."""
+    boot = m.boot
+    if boot is None:
+        return
+    if boot.stopping is not None:
+        raise CommandError(
+            errors.CONFLICT,
+            "the daemon is booting: it is stopping the server its previous life left running "
+            f"(pid {boot.stopping.pid}); {what} again once that is done",
+        )
+    m.boot = None  # the boot's start, still being read, is not carried out
+
+
 def start(m: Machine, msg: StartRequested) -> dict[str, Any]:
+    if msg.boot:
+        if m.boot is None or m.boot.stopping is not None or m.boot.config != msg.config:
+            raise CommandError(errors.CONFLICT, "a command asked during the boot replaced it")
+        m.boot = None
+    else:
+        during_boot(m, "start")
     cancelled_by_stop(m, msg.ticket, "start")
     if not msg.boot:  # a boot resumes an interrupted swap as that swap
         no_swap_under_way(m)
@@ -89,6 +111,10 @@ def stop(m: Machine, msg: StopRequested) -> dict[str, Any]:
     # finishes later) is refused when it arrives.
     m.stop_ticket = max(m.stop_ticket, msg.ticket)
     m.set_intent(m.intent_config, False)
+    if m.boot is not None:  # the boot starts nothing (the previous life's server still goes)
+        m.boot.config = None
+        if m.boot.stopping is None:
+            m.boot = None
     if m.swap is not None and m.swap.active:
         m.settle_swap("failed", "requested_stop", "stopped on request during the swap")
     launch = m.launch
@@ -105,6 +131,7 @@ def stop(m: Machine, msg: StopRequested) -> dict[str, Any]:
 
 
 def restart(m: Machine, msg: RestartRequested) -> dict[str, Any]:
+    during_boot(m, "restart")
     cancelled_by_stop(m, msg.ticket, "restart")
     no_swap_under_way(m, msg.sweep_id)
     cfg = msg.resolved
@@ -155,6 +182,12 @@ def restart(m: Machine, msg: RestartRequested) -> dict[str, Any]:
 
 
 def shutdown(m: Machine, msg: ShutdownRequested) -> None:
+    if m.boot is not None:
+        m.boot.config = None
+        if m.boot.stopping is not None:  # the daemon ends once the previous server is stopped
+            m.boot.shutdown = True
+            return
+        m.boot = None
     launch = m.launch
     if launch is not None and (m.state in RUNNING_STATES or launch.spawning):
         m.begin_stop(launch, Next.SHUTDOWN)

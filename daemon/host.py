@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from gpuwarden.daemon import logsetup
 
+from . import boot, ownership
 from . import child as childmod
-from . import ownership
 from .clock import Clock
 from .configs import ConfigError, ConfigStore, redacted_header_lines
 from .gpu import GpuBackend
@@ -39,6 +39,7 @@ from .messages import (
     LineParsed,
     ListenerChecked,
     Message,
+    PreviousServerStopped,
     ProbeFailed,
     ProbeSucceeded,
     SaveDelayElapsed,
@@ -57,7 +58,8 @@ from .store import EventLog, StateStore
 
 if TYPE_CHECKING:
     from .effects import ServerHandle, ServerLog
-    from .model import Launch
+    from .model import Launch, PreviousServer
+    from .preflight import Preflight
     from .views import Snapshot
 
 log = logsetup.get_logger("gpuwarden.supervisor")
@@ -88,6 +90,7 @@ class Host(GpuWatch):
         store: StateStore,
         events: EventLog,
         configs: ConfigStore,
+        preflight: Preflight,
         clock: Clock,
         post: Callable[[Message], None],
         view: Callable[[], Snapshot],
@@ -95,6 +98,7 @@ class Host(GpuWatch):
         super().__init__(clock, post)
         self.settings, self.gpu, self.prober = settings, gpu, prober
         self.store, self.events, self.configs = store, events, configs
+        self.preflight = preflight
         self.view = view
         self.line_listeners: set[Callable[[list[str]], None]] = set()  # raw: redact to serve
         self.event_listeners: list[Callable[[dict[str, Any]], None]] = []
@@ -443,6 +447,21 @@ class Host(GpuWatch):
         snap = await self.gpu_snapshot()
         report += await self.kill_gpu_orphans(list(snap.gpus))
         self.post(SweepFinished(launch.gen, report))
+
+    # -- the boot -----------------------------------------------------------------------------
+
+    def stop_previous(self, previous: PreviousServer) -> None:
+        self.task(self._stop_previous(previous))
+
+    async def _stop_previous(self, previous: PreviousServer) -> None:
+        killed = await boot.stop_previous(previous, self.settings.stop.grace_s)
+        self.post(PreviousServerStopped(previous, killed))
+
+    def boot_start(self, config: str, rollback: str | None) -> None:
+        self.task(self._boot_start(config, rollback), deadline_s=boot.BOOT_DEADLINE_S)
+
+    async def _boot_start(self, config: str, rollback: str | None) -> None:
+        self.post(await boot.boot_start(self.configs, self.preflight, config, rollback))
 
     def retry_after(self, delay_s: float, gen: int, config: str | None) -> None:
         if delay_s <= 0 and config and self._retry_unchanged(gen, config):

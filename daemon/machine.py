@@ -12,16 +12,18 @@ A crash, read top to bottom: `ServerExited` (`# READY -> STOPPING`, host.sweep) 
 
 from __future__ import annotations
 
-from . import commands
+from . import commands, saved
 from .books import Books
 from .configs import ResolvedConfig
 from .messages import (
     BackoffElapsed,
+    BootBegan,
     GpuSampled,
     GpuWaitEnded,
     GraceExpired,
     LineParsed,
     ListenerChecked,
+    PreviousServerStopped,
     ProbationOver,
     ProbeFailed,
     ProbeSucceeded,
@@ -34,7 +36,7 @@ from .messages import (
     TaskFailed,
     WriteHealthChanged,
 )
-from .model import Launch, Next, Swap, utc_iso, utc_stamp
+from .model import Boot, Launch, Next, Swap, utc_iso, utc_stamp
 from .policy import NOT_RETRIED, Classification, backoff_delay, classify_exit
 from .redact import Redactor, fingerprints
 from .sglanglines import decode_metrics, strip_prefix
@@ -44,6 +46,82 @@ S = ServerState
 
 
 class Machine(Books):
+    # -- the boot: what the previous life left ----------------------------------------------------
+
+    def on_boot_began(self, msg: BootBegan) -> None:
+        """The previous life's record is restored at once (`/status` shows it, `booting`); a
+        server that life left running is stopped (the host's `stop_previous`), then the saved
+        intent starts, read and preflighted like any start (the host's `boot_start`). A
+        command asked meanwhile is handled in order with these (`commands.during_boot`)."""
+        data = msg.record
+        if msg.note:
+            self.event("state_file_corrupt", detail=msg.note)
+        try:
+            saved.restore(self, data, lambda pid, ct: (pid, ct) in msg.alive_known)
+        except (TypeError, ValueError, AttributeError) as exc:  # a JSON object of other shape
+            self.event(
+                "state_file_corrupt",
+                detail=f"state.json does not read as a record ({type(exc).__name__}: {exc}); "
+                "starting as on a first start",
+            )
+            data = {}
+            saved.restore(self, data, lambda pid, ct: False)
+        swept = saved.interrupted_sweep(data)
+        if swept is not None:
+            # The sweep ended with that life: its config does not go on serving; the config the
+            # sweep was to end on does (none: none was serving before it).
+            sweep_id, back = swept
+            self.set_intent(back or self.intent_config, back is not None)
+            data = {**data, "intent": {"config": self.intent_config, "running": back is not None}}
+            self.event(
+                "sweep_interrupted",
+                sweep_id=sweep_id,
+                restore_to=back,
+                detail=f"the daemon stopped during sweep {sweep_id}; "
+                + (f"{back} serves again" if back else "nothing was serving before it"),
+            )
+        name = saved.boot_config(data, self.settings.default_config)
+        self.boot = Boot(name)
+        record = data.get("swap")
+        swap = saved.resumed_swap(record, name) if name else None
+        if swap is not None:
+            self.resume_swap(swap, record.get("phase") if isinstance(record, dict) else None)
+            self.boot.rollback = swap.rollback_name or self.last_good_config
+        self.persist()  # the previous life's record, brought up to date, is saved now
+        prev = msg.previous
+        if prev is None:
+            self._boot_go_on("")
+            return
+        self.boot.stopping = prev
+        self.event(
+            "previous_server_found",
+            pid=prev.pid,
+            launch_id=prev.launch_id,
+            detail="a server from the daemon's previous life is still running; stopping it",
+        )
+        self.host.stop_previous(prev)
+
+    def on_previous_server_stopped(self, msg: PreviousServerStopped) -> None:
+        prev = msg.previous
+        self.event("previous_server_stopped", pid=prev.pid, killed=msg.killed)
+        self._boot_go_on(prev.launch_id if prev.alive else "")
+
+    def _boot_go_on(self, stopped_id: str) -> None:
+        """Nothing of the previous life runs any more: its launches get their exit records,
+        and the boot's config (unless a command cleared it) is read and preflighted."""
+        boot = self.boot
+        if boot is None:
+            return
+        self.close_unobserved(stopped_id)
+        boot.stopping = None
+        if boot.shutdown:  # asked during the stop: the daemon ends now
+            self.boot, self.finished = None, True
+        elif boot.config is None:
+            self.boot = None
+        else:  # the boot ends when its start arrives (`commands.start`)
+            self.host.boot_start(boot.config, boot.rollback)
+        self.persist()
+
     def begin_attempt(self, cfg: ResolvedConfig, rollback: bool = False) -> None:
         self.gen += 1
         swap = self.swap if self.swap is not None and self.swap.active else None
@@ -498,7 +576,10 @@ class Machine(Books):
         elif msg.name == "wait_for_gpus":
             if launch is not None and self.state == S.WAITING_GPU and not launch.spawning:
                 self._fail(launch, Classification("internal_error", evidence))  # retried
+        elif msg.name == "stop_previous":  # as stopped: the GPU wait kills what holds GPUs
+            self._boot_go_on("")
         elif msg.name == "boot_start":
+            self.boot = None
             if self.state == S.STOPPED:
                 self.last_exit = self.exit_record("internal_error", evidence)
                 self.transition(

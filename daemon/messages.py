@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .effects import ServerHandle, ServerLog
     from .gpu import GpuSnapshot
     from .listener import ListenerCheck
+    from .model import PreviousServer
     from .preflight import PreflightResult
 
 
@@ -55,6 +56,18 @@ class RestartRequested:
 @dataclass(frozen=True)
 class ShutdownRequested:
     """The daemon is exiting: stop the server, keep the saved intent."""
+
+
+@dataclass(frozen=True)
+class BootBegan:
+    """The daemon starts: what its previous life left, read off the owner before the first
+    message. The machine restores it and decides what becomes of a server that life left."""
+
+    record: dict[str, Any]  # state.json as read ({}: none, or unreadable)
+    note: str | None  # why state.json could not be read as it was (moved aside), if so
+    previous: PreviousServer | None  # a server of that life still running, or its leftovers
+    # Of the processes that life knew to be ours, (pid, create time) of those still alive.
+    alive_known: frozenset[tuple[int, float]] = frozenset()
 
 
 # -- internal events ------------------------------------------------------------------------------
@@ -169,6 +182,14 @@ class GpuSampled:
 
 
 @dataclass(frozen=True)
+class PreviousServerStopped:
+    """The server (or the leftovers) of the daemon's previous life is stopped."""
+
+    previous: PreviousServer
+    killed: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
 class OrphansKilled:
     """Processes of earlier launches that held GPU memory, killed before a launch."""
 
@@ -239,6 +260,8 @@ Message = (
     | StopRequested
     | RestartRequested
     | ShutdownRequested
+    | BootBegan
+    | PreviousServerStopped
     | Spawned
     | SpawnFailed
     | GpuWaitEnded

@@ -33,6 +33,31 @@ class Next(StrEnum):
     SHUTDOWN = "shutdown"  # the daemon is exiting
 
 
+@dataclass(frozen=True)
+class PreviousServer:
+    """A server the daemon's previous life left running on this boot, or processes of its
+    launch left behind (`alive` False: its own process is gone). As state.json recorded it."""
+
+    pid: int
+    pgid: int
+    create_time: float | None
+    launch_id: str
+    token: str
+    alive: bool
+
+
+@dataclass
+class Boot:
+    """The daemon's start, under way: the previous life's server being stopped, then the
+    saved intent read and preflighted. A command asked meanwhile is handled in order with it:
+    a stop, start, restart or shutdown clears `config`, so the boot starts nothing."""
+
+    config: str | None  # what the boot starts once that server is stopped (None: nothing)
+    rollback: str | None = None  # what a resumed swap rolls back to
+    stopping: PreviousServer | None = None  # the previous life's server, being stopped
+    shutdown: bool = False  # a shutdown came during that stop: the daemon ends once it is done
+
+
 @dataclass(eq=False)
 class Launch:
     """One launch attempt, from the GPU wait to the sweep after its exit. `gen` tags every

@@ -31,6 +31,20 @@ def record(m: Any, boot_id: str) -> dict[str, Any]:
             "create_time": launch.child.create_time,
             "boot_id": boot_id,
             "started_at": launch.started_at,
+            # What a later life needs to take the server over as it runs (live restore): how
+            # far it got, where its log is, what it was launched from, what it holds.
+            "ready_at": launch.ready_at,
+            "log_file": str(launch.log.path) if launch.log is not None else None,
+            "config_hash": launch.config.config_hash,
+            "argv": launch.config.redacted_argv(),
+            "port": launch.config.port,
+            "health_url": launch.config.shown_health_url,
+            "rank_gpus": (
+                {str(i): pids for i, pids in launch.rank_gpus.items()}
+                if launch.rank_gpus is not None
+                else None
+            ),
+            "on_probation": launch.on_probation,
         }
     return {
         "intent": {"config": m.intent_config, "running": m.intent_running},
@@ -78,12 +92,13 @@ def restore(m: Any, data: dict[str, Any], alive: Callable[[int, float], bool]) -
     """Put a previous life's record into the machine `m` (the dead of its known processes are
     forgotten: `alive(pid, create_time)` says which live)."""
     intent = data.get("intent") or {}
-    m.intent_config = intent.get("config")
+    m.intent_config = _name(intent.get("config"), "intent.config")
     m.intent_running = bool(intent.get("running"))
-    m.last_good_config = data.get("last_good_config")
-    m.last_good_launch = data.get("last_good_launch")
-    m.last_failed_launch = data.get("last_failed_launch")
+    m.last_good_config = _name(data.get("last_good_config"), "last_good_config")
+    m.last_good_launch = _name(data.get("last_good_launch"), "last_good_launch")
+    m.last_failed_launch = _name(data.get("last_failed_launch"), "last_failed_launch")
     m.launch_seq = int(data.get("launch_seq", 0) or 0)
+    m.failures = int(data.get("failures", 0) or 0)  # shown while booting; a start resets it
     m.history = LaunchHistory(data.get("launches") or [])
     m.last_exit = data.get("last_exit")
     for item in data.get("known_processes") or []:
@@ -91,6 +106,12 @@ def restore(m: Any, data: dict[str, Any], alive: Callable[[int, float], bool]) -
             pid, ct, lid = int(item[0]), float(item[1]), str(item[2])
             if alive(pid, ct):
                 m.known_ours[(pid, ct)] = lid
+
+
+def _name(value: Any, field: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{field} is {type(value).__name__}, not a name")
+    return value
 
 
 def interrupted_sweep(data: dict[str, Any]) -> tuple[str, str | None] | None:

@@ -75,6 +75,7 @@ class Supervisor:
             store=self.store,
             events=self.events,
             configs=self.configs,
+            preflight=self.preflight,
             clock=self.clock,
             post=self.post,
             view=self.snapshot,
@@ -86,6 +87,7 @@ class Supervisor:
         self._changed = asyncio.Condition()
         self._boot_id = childmod.boot_id()
         self._ticket = 0
+        self._booted = False  # the previous life's record is in the machine
         self._shutdown_replies: list[asyncio.Future[Any]] = []
         self._handling_since: float | None = None  # when the owner took its message
         self._owner: asyncio.Task[Any] | None = None
@@ -101,19 +103,12 @@ class Supervisor:
         self._owner = asyncio.current_task()
         self.machine.secret_salt = await asyncio.to_thread(secret_salt, self.settings.state_dir)
         self.host.poll_gpus()
-        name, rollback = await boot.restore(
-            self.machine,
-            self.store,
-            self.settings.stop.grace_s,
-            self.settings.default_config,
-            self.events,
-        )
-        if name:
-            ticket = self._take_ticket()  # a stop while the boot preflights cancels the boot
-            self.host.task(
-                boot.boot_start(self, name, ticket, rollback), deadline_s=boot.BOOT_DEADLINE_S
-            )
-        self.machine.persist()  # the previous life's record, brought up to date, is saved now
+        began = await boot.survey(self.store, self._boot_id)
+        with contextlib.suppress(TypeError, ValueError):  # events.jsonl may be gone: go on
+            self.events.seq = max(self.events.seq, int(began.record.get("events_seq") or 0))
+        # The first message, before any command: those asked meanwhile wait in the inbox.
+        self._dispatch(began, None)
+        self._booted = True
         await self._handled()
         try:
             while not self.machine.finished:
@@ -431,7 +426,13 @@ class Supervisor:
             real_mono=self.host.real.monotonic(),
             sweep=self._sweep[1]() if self._sweep is not None else None,
             supervising=self.stuck() is None,
+            booting=self.booting(),
         )
+
+    def booting(self) -> bool:
+        """The previous life is being restored: its record read, its server stopped, the
+        saved intent read and preflighted."""
+        return not self._booted or self.snapshot().booting
 
     def redactor_for(self, record: Mapping[str, Any] | None) -> Redactor:
         """A redactor for the log of the launch whose history entry is `record`."""

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Snapshot:
     state: ServerState
+    booting: bool  # the previous life's server is being stopped, or the boot's start read
     state_since: float
     gen: int
     config: str | None  # the launch's config, else the intent's
@@ -83,6 +84,7 @@ def take(m: Machine) -> Snapshot:
     running = launch is not None and launch.running
     return Snapshot(
         state=m.state,
+        booting=m.boot is not None,
         state_since=m.state_since,
         gen=m.gen,
         config=launch.config.name if launch else m.intent_config,
@@ -158,6 +160,7 @@ def status_fixed(snap: Snapshot, *, gpu_backend: str) -> dict[str, Any]:
     ]
     return {
         "state": str(snap.state),
+        "booting": None,
         "config": snap.config,
         "intent": {"config": snap.intent_config, "running": snap.intent_running},
         "pid": snap.pid,
@@ -198,6 +201,7 @@ def status_now(
     real_mono: float,
     sweep: dict[str, Any] | None,
     supervising: bool,
+    booting: bool,
 ) -> dict[str, Any]:
     """`status_fixed`'s body (of the same snapshot, shared: not changed here) with the fields
     that move with time filled in, read at this moment."""
@@ -211,6 +215,7 @@ def status_now(
         "gpu_snapshot_age_s": round(max(0.0, real_mono - snap.gpu_snapshot.taken_at), 3),
         "server_metrics": server_metrics(snap, now_mono),
         "supervising": supervising,
+        "booting": booting,
     }
 
 

@@ -31,7 +31,7 @@ def test_boot_starts_the_default_config_and_status_shows_it(
     # GPU snapshots are samples (refreshed at ready, then every second).
     wait_until(lambda: d.status()["gpus"][0]["processes"], 5, "the GPU sample to show the holder")
     assert d.status()["gpus"][0]["processes"][0]["ours"] is True
-    assert d.http.get("/healthz").json() == {"ok": True}
+    assert d.http.get("/healthz").json() == {"ok": True, "booting": False}
 
 
 def test_crash_during_load_backs_off_and_relaunches(

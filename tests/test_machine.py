@@ -17,10 +17,12 @@ from gpuwarden.daemon.listener import ListenerCheck
 from gpuwarden.daemon.machine import Machine
 from gpuwarden.daemon.messages import (
     BackoffElapsed,
+    BootBegan,
     GpuWaitEnded,
     LineParsed,
     ListenerChecked,
     Message,
+    PreviousServerStopped,
     ProbeFailed,
     ProbeSucceeded,
     RestartRequested,
@@ -33,7 +35,7 @@ from gpuwarden.daemon.messages import (
     SweepFinished,
     TaskFailed,
 )
-from gpuwarden.daemon.model import Launch, Swap
+from gpuwarden.daemon.model import Launch, PreviousServer, Swap
 from gpuwarden.daemon.preflight import PreflightResult
 from gpuwarden.daemon.sglanglines import ParsedLine
 from gpuwarden.daemon.states import (
@@ -464,3 +466,87 @@ def test_the_tasks_the_machine_recovers_from_are_the_hosts_own() -> None:
 
     runs = task_names(host) | task_names(gpuwatch) | task_names(boot)
     assert looked_for <= runs, f"recovered but never run: {sorted(looked_for - runs)}"
+
+
+# -- the boot -------------------------------------------------------------------------------------
+
+
+def _saved_record() -> dict[str, Any]:
+    return {
+        "intent": {"config": "a", "running": True},
+        "last_good_config": "a",
+        "failures": 1,
+        "launch_seq": 3,
+        "launches": [{"launch_id": "L3", "config": "a", "exit": None}],
+    }
+
+
+PREVIOUS = PreviousServer(4242, 4242, 1.5, "L3", "tok", alive=True)
+
+
+def _boot_start(w: World, name: str = "a") -> Any:
+    pre = PreflightResult(ok=True, problems=[])
+    return w.send(StartRequested(name, boot=True, preflight=pre, resolved=w.cfg(name)))
+
+
+def test_boot_stops_the_previous_server_then_starts_the_saved_intent(tmp_path: Path) -> None:
+    w = World(tmp_path, **FAST)
+    w.send(BootBegan(_saved_record(), None, PREVIOUS))
+    assert w.m.boot is not None and w.m.intent_config == "a" and w.m.failures == 1
+    assert w.host.called("stop_previous") == [(PREVIOUS,)]
+    assert not w.host.called("boot_start")  # not while that server may hold port and GPUs
+    w.send(PreviousServerStopped(PREVIOUS, []))
+    assert w.host.called("boot_start") == [("a", None)]
+    assert w.m.history.entries()[0]["exit"]["reason"] == "requested_stop"
+    _boot_start(w)
+    assert w.m.boot is None and w.m.state == S.WAITING_GPU
+
+
+def test_a_stop_during_the_boot_wins_over_its_start(tmp_path: Path) -> None:
+    w = World(tmp_path, **FAST)
+    w.send(BootBegan(_saved_record(), None, PREVIOUS))
+    w.stop()
+    assert w.m.intent_running is False and w.m.boot is not None  # still stopping that server
+    w.send(PreviousServerStopped(PREVIOUS, []))
+    assert w.m.boot is None and not w.host.called("boot_start")
+    assert w.m.state == S.STOPPED
+
+
+def test_a_start_asked_once_the_previous_server_is_gone_replaces_the_boots(
+    tmp_path: Path,
+) -> None:
+    w = World(tmp_path, **FAST)
+    w.send(BootBegan(_saved_record(), None, None))  # nothing of that life runs
+    assert w.host.called("boot_start") == [("a", None)]
+    w.start("b")  # while the boot reads and preflights a
+    with pytest.raises(CommandError, match="replaced it"):
+        _boot_start(w)
+    assert w.launch.config.name == "b" and w.m.intent_config == "b"
+
+
+def test_a_start_while_the_previous_server_is_stopped_is_refused(tmp_path: Path) -> None:
+    w = World(tmp_path, **FAST)
+    w.send(BootBegan(_saved_record(), None, PREVIOUS))
+    with pytest.raises(CommandError, match="pid 4242"):
+        w.start("b")
+    with pytest.raises(CommandError, match="pid 4242"):
+        w.restart("b")
+
+
+def test_a_shutdown_during_the_previous_servers_stop_ends_once_it_is_stopped(
+    tmp_path: Path,
+) -> None:
+    w = World(tmp_path, **FAST)
+    w.send(BootBegan(_saved_record(), None, PREVIOUS))
+    w.send(ShutdownRequested())
+    assert not w.m.finished  # the previous server is not left half-stopped
+    w.send(PreviousServerStopped(PREVIOUS, []))
+    assert w.m.finished and not w.host.called("boot_start")
+    assert w.m.intent_running is True  # a shutdown keeps the intent for the next life
+
+
+def test_a_failed_stop_of_the_previous_server_goes_on_with_the_boot(tmp_path: Path) -> None:
+    w = World(tmp_path, **FAST)
+    w.send(BootBegan(_saved_record(), None, PREVIOUS))
+    w.send(TaskFailed("stop_previous", 0, "OSError: /proc unreadable"))
+    assert w.host.called("boot_start") == [("a", None)]  # the GPU wait sweeps what holds GPUs

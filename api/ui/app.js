@@ -214,6 +214,7 @@ function renderStatus(st) {
     if (m.queue_req != null) parts.push(`queued ${m.queue_req}`);
     if (parts.length) facts.push(["server", parts.join(" · ")]);
   }
+  if (st.booting) facts.push(["daemon", "booting: restoring its previous life"]);
   if (!st.supervising) facts.push(["supervision", "STUCK (see /healthz)"]);
   const dl = $("server-facts");
   dl.replaceChildren(...facts.flatMap(([k, v, cls]) => [el("dt", { text: k }), el("dd", { class: cls, text: String(v) })]));
