@@ -12,12 +12,11 @@ from __future__ import annotations
 import functools
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import commands
-from .clock import Clock
 from .effects import Effects
-from .gpu import GpuSnapshot
+from .gpustate import GpuSnapshot
 from .history import LaunchHistory
 from .messages import (
     EventNoted,
@@ -37,7 +36,6 @@ from .messages import (
 )
 from .model import Boot, Launch, Swap, utc_iso
 from .policy import Classification, describe_returncode
-from .settings import Settings
 from .states import RUNNING_STATES, ServerState, SwapPhase, check_phase, check_transition
 
 S = ServerState
@@ -51,6 +49,10 @@ COMMANDS: dict[type, Callable[[Any, Any], Any]] = {
     SweepBegan: commands.sweep_began,
     SweepEnded: commands.sweep_ended,
 }
+
+if TYPE_CHECKING:
+    from .clock import Clock
+    from .settings import Settings
 
 
 class Books:

@@ -5,36 +5,13 @@ Backends are synchronous; the supervisor calls them off the event loop.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from gpuwarden.standin import fakegpu
 
-
-@dataclass(frozen=True)
-class GpuProcess:
-    pid: int
-    name: str
-    used_mib: int
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    index: int
-    uuid: str
-    used_mib: int
-    total_mib: int
-    utilization_pct: float | None = None
-    processes: tuple[GpuProcess, ...] = ()
-
-
-@dataclass(frozen=True)
-class GpuSnapshot:
-    gpus: tuple[GpuInfo, ...] = ()
-    taken_at: float = field(default_factory=time.monotonic)
-    error: str | None = None  # the last error, with the snapshot kept from before it
+from . import child as childmod
+from .gpustate import GpuInfo, GpuProcess, GpuSnapshot
 
 
 class GpuBackend(Protocol):
@@ -84,7 +61,10 @@ class FakeGpuBackend:
                     used_mib=g.used_mib,
                     total_mib=g.total_mib,
                     utilization_pct=None,
-                    processes=tuple(GpuProcess(h.pid, h.name, h.mib) for h in g.holders),
+                    processes=tuple(
+                        GpuProcess(h.pid, h.name, h.mib, childmod.create_time_of(h.pid))
+                        for h in g.holders
+                    ),
                 )
                 for g in usage
             )
@@ -93,34 +73,6 @@ class FakeGpuBackend:
 
     def close(self) -> None:
         pass
-
-
-def select_gpus(snapshot: GpuSnapshot, wanted: list[str] | None) -> list[GpuInfo]:
-    """The GPUs a config uses, by index or UUID; all of them when `wanted` is None."""
-    if wanted is None:
-        return list(snapshot.gpus)
-    by_index = {str(g.index): g for g in snapshot.gpus}
-    by_uuid = {g.uuid: g for g in snapshot.gpus}
-    out = []
-    for token in wanted:
-        gpu = by_uuid.get(token) or by_index.get(token)
-        if gpu is not None and gpu not in out:
-            out.append(gpu)
-    return out
-
-
-def busy_gpus(
-    snapshot: GpuSnapshot, wanted: list[str] | None, busy_above_mib: int
-) -> list[GpuInfo]:
-    return [g for g in select_gpus(snapshot, wanted) if g.used_mib > busy_above_mib]
-
-
-def describe_busy(gpus: list[GpuInfo]) -> str:
-    parts = []
-    for g in gpus:
-        holders = ", ".join(f"pid {p.pid} ({p.name or '?'}, {p.used_mib} MiB)" for p in g.processes)
-        parts.append(f"GPU {g.index}: {g.used_mib} MiB used by {holders or 'unknown processes'}")
-    return "; ".join(parts)
 
 
 def render_gpu_table(gpus: list[dict[str, Any]]) -> str:

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from gpuwarden.daemon import logsetup
 
 from . import ownership
-from .gpu import GpuBackend, GpuSnapshot, busy_gpus, describe_busy
+from .gpu import GpuBackend
+from .gpustate import GpuSnapshot, busy_gpus, describe_busy
 from .messages import EventNoted, GpuSampled, GpuWaitEnded, OrphansKilled
 from .settings import Settings
 from .states import ServerState

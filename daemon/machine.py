@@ -12,9 +12,10 @@ A crash, read top to bottom: `ServerExited` (`# READY -> STOPPING`, host.sweep) 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import commands, saved
 from .books import Books
-from .configs import ResolvedConfig
 from .messages import (
     BackoffElapsed,
     BootBegan,
@@ -43,6 +44,9 @@ from .sglanglines import decode_metrics, strip_prefix
 from .states import ServerState, SwapPhase
 
 S = ServerState
+
+if TYPE_CHECKING:
+    from .configs import ResolvedConfig
 
 
 class Machine(Books):

@@ -17,7 +17,7 @@ from .sglanglines import ParsedLine
 if TYPE_CHECKING:
     from .configs import ResolvedConfig
     from .effects import ServerHandle, ServerLog
-    from .gpu import GpuSnapshot
+    from .gpustate import GpuSnapshot
     from .listener import ListenerCheck
     from .model import PreviousServer
     from .preflight import PreflightResult

@@ -8,15 +8,12 @@ in the host's tasks or threads, never inside the machine.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
 from typing import Any
 
 import psutil
 
 from . import child as childmod
-from .gpu import GpuInfo
-
-KnownOurs = Mapping[tuple[int, float], str]
+from .gpustate import GpuInfo, KnownOurs, owner_of
 
 
 def launch_tree(main_pid: int) -> frozenset[tuple[int, float]]:
@@ -38,20 +35,6 @@ def launch_tree(main_pid: int) -> frozenset[tuple[int, float]]:
     return frozenset(out)
 
 
-def ours(pid: int, known: KnownOurs, unresolved: bool) -> str | None:
-    """The launch id a live process belongs to, if it is ours (pid and create time). Where
-    NVML's pids are of another namespace (`unresolved`), no holder is ours."""
-    if unresolved:
-        return None
-    ct = childmod.create_time_of(pid)
-    if ct is None:
-        return None
-    for (kpid, kct), launch_id in known.items():
-        if kpid == pid and abs(kct - ct) < 0.05:
-            return launch_id
-    return None
-
-
 def unresolved_pids(gpus: tuple[GpuInfo, ...] | list[GpuInfo]) -> tuple[int, ...]:
     """Holders' pids that do not exist here (NVML reporting another pid namespace)."""
     return tuple(p.pid for g in gpus for p in g.processes if not psutil.pid_exists(p.pid))
@@ -67,12 +50,10 @@ async def kill_gpu_orphans(
         for p in g.processes:
             if p.pid == running:
                 continue
-            launch_id = ours(p.pid, known, unresolved)
-            ct = childmod.create_time_of(p.pid)
-            if launch_id is not None and ct is not None:
-                targets.append(
-                    (childmod.Leftover(p.pid, ct, p.name, ""), g.index, p.used_mib, launch_id)
-                )
+            launch_id = owner_of(p, known, unresolved)
+            if launch_id is not None and p.create_time is not None:
+                leftover = childmod.Leftover(p.pid, p.create_time, p.name, "")
+                targets.append((leftover, g.index, p.used_mib, launch_id))
     if not targets:
         return []
     killed = await childmod.kill_leftovers([t[0] for t in targets])

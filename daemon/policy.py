@@ -14,8 +14,7 @@ import random
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from gpuwarden.daemon.settings import RestartPolicy
+from typing import TYPE_CHECKING
 
 from .sglanglines import Finding
 
@@ -42,6 +41,9 @@ REASONS = (
 NOT_RETRIED = frozenset({"config_error", "preflight_refused"})
 # Evidence found in the log, most specific first.
 _EVIDENCE_PRIORITY = ("cuda_oom", "nccl_error", "watchdog_timeout", "port_in_use", "config_error")
+
+if TYPE_CHECKING:
+    from gpuwarden.daemon.settings import RestartPolicy
 
 
 def backoff_delay(policy: RestartPolicy, failures: int, rng: random.Random) -> float:

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from . import ownership
 from .configs import ConfigError, ConfigStore
-from .gpu import GpuSnapshot
+from .gpustate import GpuProcess, GpuSnapshot, owner_of
 from .launchlog import LaunchLog
 from .model import utc_iso
 from .redact import Fingerprints, Redactor
@@ -151,7 +150,7 @@ def status_fixed(snap: Snapshot, *, gpu_backend: str) -> dict[str, Any]:
                     "name": p.name,
                     "used_mib": p.used_mib,
                     "ours": p.pid in snap.gpu_tree_pids,
-                    "holder": holder(p.pid, snap),
+                    "holder": holder(p, snap),
                 }
                 for p in g.processes
             ],
@@ -226,13 +225,13 @@ def server_metrics(snap: Snapshot, now_mono: float) -> dict[str, Any] | None:
     return {**snap.server_metrics, "age_s": round(max(0.0, now_mono - snap.server_metrics_mono), 3)}
 
 
-def holder(pid: int, snap: Snapshot) -> str:
+def holder(proc: GpuProcess, snap: Snapshot) -> str:
     """Who holds GPU memory: `ours` (the running server's tree, or a process of its launch by
     pid and create time), `orphan` (a process of an earlier launch: killed before the next
     launch) or `foreign` (never ours, never killed). `/status` and `/metrics` both say this."""
-    if pid in snap.gpu_tree_pids:
+    if proc.pid in snap.gpu_tree_pids:
         return "ours"
-    launch = ownership.ours(pid, snap.known_ours, snap.gpu_pids_unresolved)
+    launch = owner_of(proc, snap.known_ours, snap.gpu_pids_unresolved)
     if launch is None:
         return "foreign"
     return "ours" if launch == snap.launch_id else "orphan"
