@@ -44,14 +44,17 @@ SGLANG_FIGURES: dict[str, tuple[str, str]] = {
 }
 # server_metrics key -> (metric name, help).
 SERVER_FIGURES = (
-    ("gen_throughput_tok_s", "gpuwarden_server_gen_throughput_tokens_per_second",
-     "The server's generation throughput (its Decode batch line, or sglang:gen_throughput)"),
+    (
+        "gen_throughput_tok_s",
+        "gpuwarden_server_gen_throughput_tokens_per_second",
+        "The server's generation throughput (its Decode batch line, or sglang:gen_throughput)",
+    ),
     ("accept_len", "gpuwarden_server_accept_length", "Speculative decoding's accept length"),
     ("accept_rate", "gpuwarden_server_accept_rate", "Speculative decoding's accept rate"),
     ("running_req", "gpuwarden_server_running_requests", "Requests running (#running-req)"),
     ("queue_req", "gpuwarden_server_queued_requests", "Requests queued (#queue-req)"),
     ("token_usage", "gpuwarden_server_token_usage_ratio", "KV cache token usage, 0 to 1"),
-)  # fmt: skip
+)
 
 
 def build_version() -> str:
@@ -125,10 +128,15 @@ class SupervisorCollector(Collector):
         for reason in sorted({*REASONS, *snap.exits_by_reason}):
             failures.add_metric([reason], snap.exits_by_reason.get(reason, 0))
         yield failures
-        yield _gauge("gpuwarden_consecutive_failures", "Failures in a row", snap.failures,
-                    {"config": cfg})  # fmt: skip
-        yield _gauge("gpuwarden_crash_loop", "1 while in a crash loop",
-                    1.0 if snap.crash_loop else 0.0, {"config": cfg})  # fmt: skip
+        yield _gauge(
+            "gpuwarden_consecutive_failures", "Failures in a row", snap.failures, {"config": cfg}
+        )
+        yield _gauge(
+            "gpuwarden_crash_loop",
+            "1 while in a crash loop",
+            1.0 if snap.crash_loop else 0.0,
+            {"config": cfg},
+        )
         yield _gauge(
             "gpuwarden_probe_failures",
             "Consecutive failed liveness probes of the serving launch",
@@ -170,15 +178,24 @@ class SupervisorCollector(Collector):
     def _launch(self, snap: Snapshot, status: dict[str, Any], cfg: str) -> Iterator[Metric]:
         label = {"config": cfg}
         if status["uptime_s"] is not None:
-            yield _gauge("gpuwarden_server_uptime_seconds", "Time since ready",
-                         status["uptime_s"], label)  # fmt: skip
+            yield _gauge(
+                "gpuwarden_server_uptime_seconds", "Time since ready", status["uptime_s"], label
+            )
         if snap.state == ServerState.STARTING and snap.started_at is not None:
             took = max(0.0, self.sup.clock.time() - snap.started_at)
-            yield _gauge("gpuwarden_starting_seconds", "Time since the launch started, while it "
-                         "starts", took, label)  # fmt: skip
+            yield _gauge(
+                "gpuwarden_starting_seconds",
+                "Time since the launch started, while it starts",
+                took,
+                label,
+            )
             if snap.startup_timeout_s is not None:
-                yield _gauge("gpuwarden_startup_timeout_seconds", "The config's startup_timeout_s",
-                             snap.startup_timeout_s, label)  # fmt: skip
+                yield _gauge(
+                    "gpuwarden_startup_timeout_seconds",
+                    "The config's startup_timeout_s",
+                    snap.startup_timeout_s,
+                    label,
+                )
         ready = GaugeMetricFamily(
             "gpuwarden_time_to_ready_seconds",
             "Launch to ready, each config's last launch",
@@ -190,8 +207,9 @@ class SupervisorCollector(Collector):
         last = snap.last_exit or {}
         if last.get("code") is not None or last.get("signal") is not None:
             code = int(last["code"]) if last.get("code") is not None else -int(last["signal"])
-            yield _gauge("gpuwarden_last_exit_code", "The last exit's code (negative: the signal)",
-                         code)  # fmt: skip
+            yield _gauge(
+                "gpuwarden_last_exit_code", "The last exit's code (negative: the signal)", code
+            )
         figures = status.get("server_metrics") or {}
         if figures:
             # Only the running launch's own figures exist: none before it reports, none after.

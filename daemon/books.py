@@ -9,46 +9,24 @@ attribution. The decisions are in `machine.py` (the lifecycle) and `commands.py`
 
 from __future__ import annotations
 
-import functools
 import random
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import commands
 from .effects import Effects
 from .gpustate import GpuSnapshot
 from .history import LaunchHistory
 from .messages import (
     EventNoted,
     GpuSampled,
-    Message,
     OrphansKilled,
-    RestartRequested,
     SaveDelayElapsed,
     ServerFiguresRead,
-    ShutdownRequested,
-    StartRequested,
     StateSaved,
-    StopRequested,
-    SweepBegan,
-    SweepEnded,
     WriteHealthChanged,
 )
 from .model import Boot, Launch, Swap, utc_iso
 from .policy import Classification, describe_returncode
 from .states import RUNNING_STATES, ServerState, SwapPhase, check_phase, check_transition
-
-S = ServerState
-
-# The requests, decided in `commands.py`; every other message has its `on_<name>` here.
-COMMANDS: dict[type, Callable[[Any, Any], Any]] = {
-    StartRequested: commands.start,
-    StopRequested: commands.stop,
-    RestartRequested: commands.restart,
-    ShutdownRequested: commands.shutdown,
-    SweepBegan: commands.sweep_began,
-    SweepEnded: commands.sweep_ended,
-}
 
 if TYPE_CHECKING:
     from .clock import Clock
@@ -58,7 +36,7 @@ if TYPE_CHECKING:
 class Books:
     def __init__(self, settings: Settings, host: Effects, clock: Clock, rng: random.Random) -> None:
         self.settings, self.host, self.clock, self.rng = settings, host, clock, rng
-        self.state = S.STOPPED
+        self.state = ServerState.STOPPED
         self.state_since = clock.time()
         self.finished = False  # the daemon's shutdown is complete: the owner ends
         self.dirty = False  # the saved state is stale: saved once after this message
@@ -109,19 +87,11 @@ class Books:
         self.listener_warned: set[str] = set()
         self.saving_again = False
 
-    def handle(self, msg: Message) -> Any:
-        """Decide on one message. A command's answer is returned (a refusal raises
-        `CommandError`); a shutdown's is given once `finished` holds."""
-        command = COMMANDS.get(type(msg))
-        if command is not None:
-            return command(self, msg)
-        return getattr(self, f"on_{_snake(type(msg).__name__)}")(msg)
-
     def transition(self, new: ServerState, **fields: Any) -> None:
         old = self.state
         check_transition(old, new)
         self.state, self.state_since = new, self.clock.time()
-        if new != S.BACKOFF:
+        if new != ServerState.BACKOFF:
             self.next_retry_at = None
         self.event("state", **{"from": str(old), "to": str(new)}, **fields)
 
@@ -158,7 +128,7 @@ class Books:
 
     def current_config(self) -> str | None:
         launch = self.launch
-        if launch is not None and self.state in (S.WAITING_GPU, *RUNNING_STATES):
+        if launch is not None and self.state in (ServerState.WAITING_GPU, *RUNNING_STATES):
             return launch.config.name
         return self.intent_config
 
@@ -167,7 +137,7 @@ class Books:
         launch = self.launch
         if launch is None or launch.exited or launch.ready_at is None:
             return None
-        return launch if self.state in (S.READY, S.UNHEALTHY) else None
+        return launch if self.state in (ServerState.READY, ServerState.UNHEALTHY) else None
 
     def settle_swap(self, outcome: str, reason: str | None, evidence: str | None) -> None:
         swap = self.swap
@@ -186,13 +156,24 @@ class Books:
         self.event("swap_settled", swap_id=swap.id, outcome=outcome, reason=reason)
 
     def exit_record(
-        self, reason: str, evidence: str | None, *, code: int | None = None,
-        sig: int | None = None, launch_id: str | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
+        self,
+        reason: str,
+        evidence: str | None,
+        *,
+        code: int | None = None,
+        sig: int | None = None,
+        launch_id: str | None = None,
+    ) -> dict[str, Any]:
         """The shape of `last_exit` and of each history entry's `exit`, wherever one is made."""
         at = utc_iso(self.clock.time())
-        return {"code": code, "signal": sig, "reason": reason, "evidence": evidence, "at": at,
-                "launch_id": launch_id}  # fmt: skip
+        return {
+            "code": code,
+            "signal": sig,
+            "reason": reason,
+            "evidence": evidence,
+            "at": at,
+            "launch_id": launch_id,
+        }
 
     def record_exit(self, launch: Launch, verdict: Classification) -> None:
         code, sig, _ = describe_returncode(launch.returncode) if launch.exited else (None, None, "")
@@ -336,8 +317,3 @@ class Books:
             phase=phase,
             detail="the daemon stopped during this swap; it goes on as the same swap",
         )
-
-
-@functools.cache
-def _snake(name: str) -> str:
-    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")

@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from .configs import ResolvedConfig
     from .machine import Machine
 
-S = ServerState
-
 
 def cancelled_by_stop(m: Machine, ticket: int, what: str) -> None:
     if ticket and ticket < m.stop_ticket:
@@ -76,7 +74,7 @@ def start(m: Machine, msg: StartRequested) -> dict[str, Any]:
     cancelled_by_stop(m, msg.ticket, "start")
     if not msg.boot:  # a boot resumes an interrupted swap as that swap
         no_swap_under_way(m)
-    if m.state in (S.WAITING_GPU, *RUNNING_STATES):
+    if m.state in (ServerState.WAITING_GPU, *RUNNING_STATES):
         raise CommandError(
             errors.CONFLICT,
             f"a server is already {m.state} (config {m.current_config()}); use restart to swap",
@@ -118,13 +116,15 @@ def stop(m: Machine, msg: StopRequested) -> dict[str, Any]:
     if m.swap is not None and m.swap.active:
         m.settle_swap("failed", "requested_stop", "stopped on request during the swap")
     launch = m.launch
-    if m.state in (S.FAILED, S.BACKOFF) or (
-        m.state == S.WAITING_GPU and (launch is None or not launch.spawning)
+    if m.state in (ServerState.FAILED, ServerState.BACKOFF) or (
+        m.state == ServerState.WAITING_GPU and (launch is None or not launch.spawning)
     ):
         m.host.cancel_retry()
         m.host.cancel_gpu_wait()
-        m.transition(S.STOPPED, reason="requested_stop")  # FAILED|BACKOFF|WAITING_GPU -> STOPPED
-    elif m.state != S.STOPPED and launch is not None:
+        m.transition(
+            ServerState.STOPPED, reason="requested_stop"
+        )  # FAILED|BACKOFF|WAITING_GPU -> STOPPED
+    elif m.state != ServerState.STOPPED and launch is not None:
         m.begin_stop(launch, Next.STOP)
     # The grace a waiting client bounds its wait by (SIGTERM, then SIGKILL after it).
     return {"accepted": True, "state": str(m.state), "grace_s": m.settings.stop.grace_s}
@@ -139,7 +139,7 @@ def restart(m: Machine, msg: RestartRequested) -> dict[str, Any]:
         raise CommandError(errors.INVALID_CONFIG, f"config {msg.config!r} was not read")
     current = m.current_config()
     serving = m.serving()
-    if msg.ensure and serving is not None and m.state == S.READY and current == cfg.name:
+    if msg.ensure and serving is not None and m.state == ServerState.READY and current == cfg.name:
         return {"accepted": True, "config": cfg.name, "state": str(m.state), "swap_id": None}
     if serving is not None and serving.on_probation:
         # A swap away from a config on probation: its probation counts as passed, and it is
@@ -169,9 +169,9 @@ def restart(m: Machine, msg: RestartRequested) -> dict[str, Any]:
     m.set_intent(cfg.name, True)
     launch = m.launch
     if (
-        m.state in (*RUNNING_STATES, S.WAITING_GPU)
+        m.state in (*RUNNING_STATES, ServerState.WAITING_GPU)
         and launch is not None
-        and (m.state != S.WAITING_GPU or launch.spawning)
+        and (m.state != ServerState.WAITING_GPU or launch.spawning)
     ):
         m.begin_stop(launch, Next.RELAUNCH, next_config=cfg)
     else:
@@ -214,6 +214,6 @@ def refuse(m: Machine, name: str | None, detail: str) -> None:
     m.intent_config, m.intent_running = name, True
     m.last_exit = m.exit_record("preflight_refused", detail)
     m.event("preflight_refused", config=name, detail=detail)
-    if m.state != S.FAILED:
-        m.transition(S.FAILED, reason="preflight_refused")  # STOPPED|BACKOFF -> FAILED
+    if m.state != ServerState.FAILED:
+        m.transition(ServerState.FAILED, reason="preflight_refused")  # STOPPED|BACKOFF -> FAILED
     m.persist()

@@ -12,27 +12,39 @@ A crash, read top to bottom: `ServerExited` (`# READY -> STOPPING`, host.sweep) 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, assert_never
 
 from . import commands, saved
 from .books import Books
 from .messages import (
     BackoffElapsed,
     BootBegan,
+    EventNoted,
     GpuSampled,
     GpuWaitEnded,
     GraceExpired,
     LineParsed,
     ListenerChecked,
+    Message,
+    OrphansKilled,
     PreviousServerStopped,
     ProbationOver,
     ProbeFailed,
     ProbeSucceeded,
+    RestartRequested,
+    SaveDelayElapsed,
     ServerExited,
+    ServerFiguresRead,
+    ShutdownRequested,
     Spawned,
     SpawnFailed,
     StableUptimeReached,
+    StartRequested,
     StartupTimedOut,
+    StateSaved,
+    StopRequested,
+    SweepBegan,
+    SweepEnded,
     SweepFinished,
     TaskFailed,
     WriteHealthChanged,
@@ -43,13 +55,83 @@ from .redact import Redactor, fingerprints
 from .sglanglines import decode_metrics, strip_prefix
 from .states import ServerState, SwapPhase
 
-S = ServerState
-
 if TYPE_CHECKING:
     from .configs import ResolvedConfig
 
 
 class Machine(Books):
+    def handle(self, msg: Message) -> Any:
+        """Decide on one message. A command's answer is returned (a refusal raises
+        `CommandError`); a shutdown's is given once `finished` holds."""
+        match msg:
+            # The restart path first: an exit, its sweep, the retry, the GPU wait, the exec.
+            case ServerExited():
+                self.on_server_exited(msg)
+            case SweepFinished():
+                self.on_sweep_finished(msg)
+            case BackoffElapsed():
+                self.on_backoff_elapsed(msg)
+            case GpuWaitEnded():
+                self.on_gpu_wait_ended(msg)
+            case Spawned():
+                self.on_spawned(msg)
+            case SpawnFailed():
+                self.on_spawn_failed(msg)
+            case LineParsed():
+                self.on_line_parsed(msg)
+            case ProbeSucceeded():
+                self.on_probe_succeeded(msg)
+            case ListenerChecked():
+                self.on_listener_checked(msg)
+            case ProbeFailed():
+                self.on_probe_failed(msg)
+            case GpuSampled():
+                self.on_gpu_sampled(msg)
+            case StartupTimedOut():
+                self.on_startup_timed_out(msg)
+            case GraceExpired():
+                self.on_grace_expired(msg)
+            case StableUptimeReached():
+                self.on_stable_uptime_reached(msg)
+            case ProbationOver():
+                self.on_probation_over(msg)
+            case TaskFailed():
+                self.on_task_failed(msg)
+            # The commands (`commands.py`).
+            case StartRequested():
+                return commands.start(self, msg)
+            case StopRequested():
+                return commands.stop(self, msg)
+            case RestartRequested():
+                return commands.restart(self, msg)
+            case ShutdownRequested():
+                return commands.shutdown(self, msg)
+            case SweepBegan():
+                return commands.sweep_began(self, msg)
+            case SweepEnded():
+                return commands.sweep_ended(self, msg)
+            # The boot.
+            case BootBegan():
+                self.on_boot_began(msg)
+            case PreviousServerStopped():
+                self.on_previous_server_stopped(msg)
+            # Records that decide nothing (`books.py`).
+            case EventNoted():
+                self.on_event_noted(msg)
+            case OrphansKilled():
+                self.on_orphans_killed(msg)
+            case StateSaved():
+                self.on_state_saved(msg)
+            case SaveDelayElapsed():
+                self.on_save_delay_elapsed(msg)
+            case WriteHealthChanged():
+                self.on_write_health_changed(msg)
+            case ServerFiguresRead():
+                self.on_server_figures_read(msg)
+            case _:
+                assert_never(msg)
+        return None
+
     # -- the boot: what the previous life left ----------------------------------------------------
 
     def on_boot_began(self, msg: BootBegan) -> None:
@@ -133,13 +215,15 @@ class Machine(Books):
         self.server_metrics, self.server_metrics_mono = {}, None  # each launch's own figures
         if swap is not None and swap.phase != SwapPhase.ROLLING_BACK:
             self.set_phase(swap, SwapPhase.WAITING_GPU)  # STOPPING -> WAITING_GPU
-        if self.state != S.WAITING_GPU:
-            self.transition(S.WAITING_GPU, config=cfg.name)  # STOPPED|STOPPING|BACKOFF|FAILED ->
+        if self.state != ServerState.WAITING_GPU:
+            self.transition(
+                ServerState.WAITING_GPU, config=cfg.name
+            )  # STOPPED|STOPPING|BACKOFF|FAILED ->
         self.host.wait_for_gpus(self.launch)
 
     def on_gpu_wait_ended(self, msg: GpuWaitEnded) -> None:
         launch = self.current(msg.gen)
-        if launch is None or self.state != S.WAITING_GPU:
+        if launch is None or self.state != ServerState.WAITING_GPU:
             return
         if not msg.ok:
             timeout = self.settings.gpu.release_timeout_s
@@ -157,7 +241,7 @@ class Machine(Books):
         if launch is None:
             return
         launch.spawning = False
-        if self.state == S.STOPPING:  # a stop or swap came while it executed
+        if self.state == ServerState.STOPPING:  # a stop or swap came while it executed
             verdict = Classification(msg.reason, msg.detail)
             self.record_exit(launch, verdict)
             self._after_stop(launch, verdict, recorded=True)
@@ -194,13 +278,15 @@ class Machine(Books):
             record["secrets"] = fingerprints(self.secret_salt, launch.redactor.secrets)
         self.history.started(record)  # every launch is on record from its start; the exit fills in
         self.persist()
-        if self.state == S.STOPPING:  # stopped while it executed: it goes now
+        if self.state == ServerState.STOPPING:  # stopped while it executed: it goes now
             self.event(
                 "launch", pid=msg.server.pid, argv=launch.config.redacted_argv(), log_file=path
             )
             self._terminate(launch)
             return
-        self.transition(S.STARTING, pid=msg.server.pid, log_file=path)  # WAITING_GPU -> STARTING
+        self.transition(
+            ServerState.STARTING, pid=msg.server.pid, log_file=path
+        )  # WAITING_GPU -> STARTING
         self.event("launch", pid=msg.server.pid, argv=launch.config.redacted_argv(), log_file=path)
         health = launch.config.config.health
         self.host.timer(health.startup_timeout_s, StartupTimedOut(launch.gen), launch)
@@ -218,7 +304,7 @@ class Machine(Books):
             self.note_figures(launch, decode_metrics(msg.parsed.decode), "log")
         if msg.parsed.death:
             self._death_announced(launch, launch.redactor.text(strip_prefix(msg.line).strip()))
-        elif msg.parsed.ready and self.state == S.STARTING:
+        elif msg.parsed.ready and self.state == ServerState.STARTING:
             self._confirm_ready(launch, "ready line")
 
     def _death_announced(self, launch: Launch, line: str) -> None:
@@ -236,10 +322,10 @@ class Machine(Books):
             # our SIGTERM may be what the line reports.
             launch.next = Next.RETRY
         self.host.end_tasks(launch)
-        if self.state != S.STOPPING:
+        if self.state != ServerState.STOPPING:
             # STARTING|READY|UNHEALTHY -> STOPPING
             self.transition(
-                S.STOPPING, next=str(launch.next), reason="death_announced", detail=line
+                ServerState.STOPPING, next=str(launch.next), reason="death_announced", detail=line
             )
         self.host.kill_group(launch)
 
@@ -247,9 +333,9 @@ class Machine(Books):
         launch = self.current(msg.gen)
         if launch is None:
             return
-        if self.state == S.STARTING:
+        if self.state == ServerState.STARTING:
             self._confirm_ready(launch, msg.detail)
-        elif self.state in (S.READY, S.UNHEALTHY):
+        elif self.state in (ServerState.READY, ServerState.UNHEALTHY):
             launch.probe_failures = 0
 
     def _confirm_ready(self, launch: Launch, how: str) -> None:
@@ -266,7 +352,7 @@ class Machine(Books):
 
     def on_listener_checked(self, msg: ListenerChecked) -> None:
         launch = self.current(msg.gen)
-        if launch is None or self.state != S.STARTING:
+        if launch is None or self.state != ServerState.STARTING:
             return
         launch.checking_listener = False
         check = msg.check
@@ -295,7 +381,9 @@ class Machine(Books):
         launch.ready_at, launch.ready_mono = self.clock.time(), self.clock.monotonic()
         self.host.end_tasks(launch)
         took = launch.ready_mono - (launch.started_mono or launch.ready_mono)
-        self.transition(S.READY, via=how, time_to_ready_s=round(took, 3))  # STARTING -> READY
+        self.transition(
+            ServerState.READY, via=how, time_to_ready_s=round(took, 3)
+        )  # STARTING -> READY
         self.note_ready(launch.config.name, took)
         swap = launch.swap
         if swap is not None and swap.active and launch.rollback:
@@ -318,19 +406,19 @@ class Machine(Books):
 
     def on_probe_failed(self, msg: ProbeFailed) -> None:
         launch = self.current(msg.gen)
-        if launch is None or self.state not in (S.READY, S.UNHEALTHY):
+        if launch is None or self.state not in (ServerState.READY, ServerState.UNHEALTHY):
             return
         launch.probe_failures += 1
         limit = launch.config.config.health.failures
         self.event("probe_failed", detail=msg.detail, consecutive=launch.probe_failures)
         if launch.probe_failures >= limit:
-            self.transition(S.UNHEALTHY, detail=msg.detail)  # READY -> UNHEALTHY
+            self.transition(ServerState.UNHEALTHY, detail=msg.detail)  # READY -> UNHEALTHY
             last = f"{limit} consecutive failed probes; last: {msg.detail}"
             self._end_for_retry(launch, "liveness_failed", last)  # UNHEALTHY -> STOPPING
 
     def on_gpu_sampled(self, msg: GpuSampled) -> None:
         launch = self.note_gpus(msg)
-        if launch is None or self.state != S.READY:
+        if launch is None or self.state != ServerState.READY:
             return
         tree_pids = {pid for pid, _ in msg.tree}
         held = {
@@ -351,7 +439,7 @@ class Machine(Books):
 
     def on_probation_over(self, msg: ProbationOver) -> None:
         launch = self.current(msg.gen)
-        if launch is None or not launch.on_probation or self.state != S.READY:
+        if launch is None or not launch.on_probation or self.state != ServerState.READY:
             return
         launch.on_probation = False
         if not self.may_be_last_good(launch):
@@ -362,7 +450,7 @@ class Machine(Books):
 
     def on_startup_timed_out(self, msg: StartupTimedOut) -> None:
         launch = self.current(msg.gen)
-        if launch is None or self.state != S.STARTING:
+        if launch is None or self.state != ServerState.STARTING:
             return
         timeout = launch.config.config.health.startup_timeout_s
         self._end_for_retry(
@@ -370,7 +458,7 @@ class Machine(Books):
         )
 
     def on_stable_uptime_reached(self, msg: StableUptimeReached) -> None:
-        if self.current(msg.gen) is None or self.state != S.READY:
+        if self.current(msg.gen) is None or self.state != ServerState.READY:
             return
         if self.failures or self.crash_loop:
             self.event("failures_reset", after_failures=self.failures)
@@ -384,14 +472,16 @@ class Machine(Books):
         next_config: ResolvedConfig | None = None,
         imposed: Classification | None = None,
     ) -> None:
-        if self.state == S.STOPPING:
+        if self.state == ServerState.STOPPING:
             # On its way out already: only what follows changes (a stop wins over a relaunch,
             # a restart asked for after a stop relaunches).
             launch.next, launch.next_config = nxt, next_config
             return
         launch.next, launch.next_config, launch.imposed = nxt, next_config, imposed
         # WAITING_GPU (executing)|STARTING|READY|UNHEALTHY -> STOPPING
-        self.transition(S.STOPPING, next=str(nxt), reason=imposed.reason if imposed else None)
+        self.transition(
+            ServerState.STOPPING, next=str(nxt), reason=imposed.reason if imposed else None
+        )
         if launch.running:  # else it goes once it exists, or its exit is being handled
             self._terminate(launch)
 
@@ -422,14 +512,16 @@ class Machine(Books):
             return
         launch.exited, launch.returncode = True, msg.returncode
         self.host.end_tasks(launch)
-        if self.state != S.STOPPING:
+        if self.state != ServerState.STOPPING:
             # STARTING|READY|UNHEALTHY -> STOPPING
-            self.transition(S.STOPPING, returncode=msg.returncode, detail="the server exited")
+            self.transition(
+                ServerState.STOPPING, returncode=msg.returncode, detail="the server exited"
+            )
         self.host.sweep(launch)
 
     def on_sweep_finished(self, msg: SweepFinished) -> None:
         launch = self.current(msg.gen)
-        if launch is None or launch.child is None or self.state != S.STOPPING:
+        if launch is None or launch.child is None or self.state != ServerState.STOPPING:
             return
         if msg.killed:
             self.last_sweep_killed = msg.killed
@@ -451,13 +543,13 @@ class Machine(Books):
         if nxt is None or nxt == Next.RETRY:
             self._fail(launch, verdict, recorded=recorded)
         elif nxt == Next.STOP:
-            self.transition(S.STOPPED, reason=verdict.reason)  # STOPPING -> STOPPED
+            self.transition(ServerState.STOPPED, reason=verdict.reason)  # STOPPING -> STOPPED
         elif nxt == Next.RELAUNCH:
             assert launch.next_config is not None
             self.count_relaunch()
             self.begin_attempt(launch.next_config)  # STOPPING -> WAITING_GPU
         elif nxt == Next.SHUTDOWN:
-            self.transition(S.STOPPED, reason="daemon shutdown")  # STOPPING -> STOPPED
+            self.transition(ServerState.STOPPED, reason="daemon shutdown")  # STOPPING -> STOPPED
             self.finished = True
         self.persist()
 
@@ -483,15 +575,20 @@ class Machine(Books):
             self.event("crash_loop", failures=self.failures, reason=verdict.reason)
         if verdict.reason in NOT_RETRIED:
             # WAITING_GPU|STOPPING -> FAILED
-            self.transition(S.FAILED, reason=verdict.reason, detail="not retried: fix the config")
+            self.transition(
+                ServerState.FAILED, reason=verdict.reason, detail="not retried: fix the config"
+            )
         elif policy.max_failures is not None and self.failures >= policy.max_failures:
             detail = f"{self.failures} consecutive failures (max_failures)"
-            self.transition(S.FAILED, reason=verdict.reason, detail=detail)  # -> FAILED
+            self.transition(ServerState.FAILED, reason=verdict.reason, detail=detail)  # -> FAILED
         else:
             delay = backoff_delay(policy, self.failures, self.rng)
             # WAITING_GPU|STOPPING -> BACKOFF
             self.transition(
-                S.BACKOFF, reason=verdict.reason, delay_s=round(delay, 3), failures=self.failures
+                ServerState.BACKOFF,
+                reason=verdict.reason,
+                delay_s=round(delay, 3),
+                failures=self.failures,
             )
             self.next_retry_at = self.clock.time() + delay
             # Even with no delay the retry is a message of its own, after its config is read.
@@ -509,8 +606,12 @@ class Machine(Books):
         target = (began.rollback_name if began is not None else None) or self.last_good_config
         swap = began
         if swap is None or swap.outcome is not None:  # its probation failed: a swap of its own
-            swap = Swap(id=f"rollback-{self.launch_seq}", from_config=failed,
-                        to_config=target or failed, is_swap=True)  # fmt: skip
+            swap = Swap(
+                id=f"rollback-{self.launch_seq}",
+                from_config=failed,
+                to_config=target or failed,
+                is_swap=True,
+            )
             self.swap = swap
         swap.outcome = None
         swap.outcome_reason, swap.outcome_evidence = verdict.reason, verdict.evidence
@@ -520,7 +621,7 @@ class Machine(Books):
                 if not target or target == failed
                 else f"swap to {failed} failed and its rollback config {target} does not load"
             )
-            self.transition(S.FAILED, reason=verdict.reason, detail=detail)  # -> FAILED
+            self.transition(ServerState.FAILED, reason=verdict.reason, detail=detail)  # -> FAILED
             self.settle_swap("failed", verdict.reason, verdict.evidence)
             self.persist()
             return
@@ -528,13 +629,19 @@ class Machine(Books):
             swap, SwapPhase.ROLLING_BACK
         )  # STOPPING|WAITING_GPU|STARTING -> ROLLING_BACK
         self.rolled_back_from, self.rollbacks = failed, self.rollbacks + 1
-        self.event("rollback", swap_id=swap.id, from_config=failed, to_config=target,
-                   reason=verdict.reason, evidence=verdict.evidence)  # fmt: skip
+        self.event(
+            "rollback",
+            swap_id=swap.id,
+            from_config=failed,
+            to_config=target,
+            reason=verdict.reason,
+            evidence=verdict.evidence,
+        )
         self.set_intent(target, True)
         self.begin_attempt(target_cfg, rollback=True)  # STOPPING|WAITING_GPU -> WAITING_GPU
 
     def on_backoff_elapsed(self, msg: BackoffElapsed) -> None:
-        if self.current(msg.gen) is None or self.state != S.BACKOFF:
+        if self.current(msg.gen) is None or self.state != ServerState.BACKOFF:
             return
         resolved = msg.resolved
         launch = self.launch
@@ -569,7 +676,7 @@ class Machine(Books):
         launch = self.current(msg.gen)
         evidence = f"the {msg.name} task failed: {msg.error}"
         if msg.name == "after_exit":
-            if launch is not None and launch.exited and self.state == S.STOPPING:
+            if launch is not None and launch.exited and self.state == ServerState.STOPPING:
                 # Degrade: the exit is handled without the sweep (leftovers may remain; the
                 # next launch's GPU wait still finds and kills holders of ours).
                 self.on_sweep_finished(SweepFinished(msg.gen, []))
@@ -578,21 +685,21 @@ class Machine(Books):
         elif msg.name == "retry":  # the retry's config read is lost: as a config that did not read
             self.on_backoff_elapsed(BackoffElapsed(msg.gen, None, evidence))
         elif msg.name == "wait_for_gpus":
-            if launch is not None and self.state == S.WAITING_GPU and not launch.spawning:
+            if launch is not None and self.state == ServerState.WAITING_GPU and not launch.spawning:
                 self._fail(launch, Classification("internal_error", evidence))  # retried
         elif msg.name == "stop_previous":  # as stopped: the GPU wait kills what holds GPUs
             self._boot_go_on("")
         elif msg.name == "boot_start":
             self.boot = None
-            if self.state == S.STOPPED:
+            if self.state == ServerState.STOPPED:
                 self.last_exit = self.exit_record("internal_error", evidence)
                 self.transition(
-                    S.FAILED, reason="internal_error", detail=evidence
+                    ServerState.FAILED, reason="internal_error", detail=evidence
                 )  # STOPPED -> FAILED
         elif (
             launch is not None
             and launch.running
-            and self.state in (S.STARTING, S.READY, S.UNHEALTHY)
+            and self.state in (ServerState.STARTING, ServerState.READY, ServerState.UNHEALTHY)
         ):
             # A probe loop or timer of this launch is gone: nothing would notice a hang or a
             # timeout any more, so end it and let the restart policy start it afresh.
@@ -605,7 +712,7 @@ class Machine(Books):
         evidence = f"handling {message} failed: {type(exc).__name__}: {exc}"
         self.event("internal_error", message=message, error=evidence)
         launch = self.launch
-        if self.state == S.STOPPING and (launch is None or launch.exited):
+        if self.state == ServerState.STOPPING and (launch is None or launch.exited):
             self.transition(
-                S.FAILED, reason="internal_error", detail=evidence
+                ServerState.FAILED, reason="internal_error", detail=evidence
             )  # STOPPING -> FAILED

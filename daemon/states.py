@@ -16,41 +16,53 @@ class ServerState(StrEnum):
     FAILED = "failed"
 
 
-S = ServerState
-
 # from-state -> the states it may move to. The machine changes state in one place
 # (`Machine._transition`), which refuses anything not listed here. A running server never goes
 # straight to backoff or failed: its exit is swept in stopping first.
 TRANSITIONS: dict[ServerState, frozenset[ServerState]] = {
     # start requested; or its preflight failed
-    S.STOPPED: frozenset({S.WAITING_GPU, S.FAILED}),
+    ServerState.STOPPED: frozenset({ServerState.WAITING_GPU, ServerState.FAILED}),
     # GPUs free and the server executed -> starting; stop -> stopped; gpu_busy or the exec
     # failed -> backoff/failed; a stop or swap while the exec is under way -> stopping (the new
     # process is stopped as soon as it exists)
-    S.WAITING_GPU: frozenset({S.STARTING, S.STOPPED, S.STOPPING, S.BACKOFF, S.FAILED}),
+    ServerState.WAITING_GPU: frozenset(
+        {
+            ServerState.STARTING,
+            ServerState.STOPPED,
+            ServerState.STOPPING,
+            ServerState.BACKOFF,
+            ServerState.FAILED,
+        }
+    ),
     # ready; a stop, a swap, a timeout or an exit (stopping, to sweep)
-    S.STARTING: frozenset({S.READY, S.STOPPING}),
+    ServerState.STARTING: frozenset({ServerState.READY, ServerState.STOPPING}),
     # failing probes; a stop, a swap, a lost rank or an exit
-    S.READY: frozenset({S.UNHEALTHY, S.STOPPING}),
+    ServerState.READY: frozenset({ServerState.UNHEALTHY, ServerState.STOPPING}),
     # entered at the failure that reaches `health.failures`, and left at once: the launch is
     # ended for the restart policy (a server is not taken back after that many failures)
-    S.UNHEALTHY: frozenset({S.STOPPING}),
+    ServerState.UNHEALTHY: frozenset({ServerState.STOPPING}),
     # the stop finished: stopped, or on to the next launch (waiting_gpu), backoff or failed
-    S.STOPPING: frozenset({S.STOPPED, S.WAITING_GPU, S.BACKOFF, S.FAILED}),
-    S.BACKOFF: frozenset({S.WAITING_GPU, S.STOPPED, S.FAILED}),
-    S.FAILED: frozenset({S.WAITING_GPU, S.STOPPED}),
+    ServerState.STOPPING: frozenset(
+        {ServerState.STOPPED, ServerState.WAITING_GPU, ServerState.BACKOFF, ServerState.FAILED}
+    ),
+    ServerState.BACKOFF: frozenset(
+        {ServerState.WAITING_GPU, ServerState.STOPPED, ServerState.FAILED}
+    ),
+    ServerState.FAILED: frozenset({ServerState.WAITING_GPU, ServerState.STOPPED}),
 }
 
 # States in which a server process of ours may be running.
-RUNNING_STATES = frozenset({S.STARTING, S.READY, S.UNHEALTHY, S.STOPPING})
+RUNNING_STATES = frozenset(
+    {ServerState.STARTING, ServerState.READY, ServerState.UNHEALTHY, ServerState.STOPPING}
+)
 
 # Between a server's end and the next one's exec: what changes here is superseded within
 # milliseconds by the exec's outcome, so saving it may wait a little (the restart path is not
 # made to share the interpreter with a state file's encoding).
-RELAUNCH_STATES = frozenset({S.STOPPING, S.BACKOFF, S.WAITING_GPU})
+RELAUNCH_STATES = frozenset({ServerState.STOPPING, ServerState.BACKOFF, ServerState.WAITING_GPU})
 # From the exit's sweep on: the records of these states are written right after the next exec.
 # (Not stopping's: that an exit was seen is reported at once.)
-HOLD_RECORDS_STATES = frozenset({S.BACKOFF, S.WAITING_GPU})
+HOLD_RECORDS_STATES = frozenset({ServerState.BACKOFF, ServerState.WAITING_GPU})
 
 
 class TransitionError(RuntimeError):
@@ -72,19 +84,17 @@ class SwapPhase(StrEnum):
     DONE = "done"  # settled: ready, rolled back or failed
 
 
-P = SwapPhase
-
 # The swap's phase changes in one place too (`Machine._set_phase`), checked against this.
 PHASES: dict[SwapPhase, frozenset[SwapPhase]] = {
     # the old server is gone -> the new config's GPU wait; its first start failed (a rollback);
     # a stop settles it
-    P.STOPPING: frozenset({P.WAITING_GPU, P.ROLLING_BACK, P.DONE}),
-    P.WAITING_GPU: frozenset({P.STARTING, P.ROLLING_BACK, P.DONE}),
-    P.STARTING: frozenset({P.ROLLING_BACK, P.DONE}),
+    SwapPhase.STOPPING: frozenset({SwapPhase.WAITING_GPU, SwapPhase.ROLLING_BACK, SwapPhase.DONE}),
+    SwapPhase.WAITING_GPU: frozenset({SwapPhase.STARTING, SwapPhase.ROLLING_BACK, SwapPhase.DONE}),
+    SwapPhase.STARTING: frozenset({SwapPhase.ROLLING_BACK, SwapPhase.DONE}),
     # the rollback's launch is ready, failed, or stopped
-    P.ROLLING_BACK: frozenset({P.DONE}),
+    SwapPhase.ROLLING_BACK: frozenset({SwapPhase.DONE}),
     # settled for good (a config that fails its probation later rolls back as a swap of its own)
-    P.DONE: frozenset(),
+    SwapPhase.DONE: frozenset(),
 }
 
 

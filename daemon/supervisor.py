@@ -272,8 +272,13 @@ class Supervisor:
             return reply
         outcome: dict[str, Any]
         if reply["swap_id"] is None:  # ensured: it was ready already
-            outcome = {"outcome": "ready", "reason": None, "evidence": f"{cfg.name} is ready",
-                       "launch_ids": [], "config": cfg.name}  # fmt: skip
+            outcome = {
+                "outcome": "ready",
+                "reason": None,
+                "evidence": f"{cfg.name} is ready",
+                "launch_ids": [],
+                "config": cfg.name,
+            }
         else:
             outcome = await asyncio.shield(self.host.settled(reply["swap_id"]))
             if probation and outcome["outcome"] == "ready" and outcome["launch_ids"]:

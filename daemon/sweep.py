@@ -290,8 +290,13 @@ class SweepManager:
                 result = await run_load(base, sweep.load, headers=headers)
         except Exception as exc:  # a bug in the load: this row fails, the sweep goes on
             log.exception("sweep.load_error", sweep_id=sweep.id, config=name)
-            result = {"requests_ok": 0, "requests_failed": sweep.load.requests, "errors": [],
-                      "error": f"the load failed: {exc!r}", "tok_s": None}  # fmt: skip
+            result = {
+                "requests_ok": 0,
+                "requests_failed": sweep.load.requests,
+                "errors": [],
+                "error": f"the load failed: {exc!r}",
+                "tok_s": None,
+            }
         finally:
             sup.line_listeners.discard(listener)
         info_accept = await _server_accept_length(base, headers)
