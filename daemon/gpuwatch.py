@@ -15,7 +15,7 @@ from gpuwarden.daemon import logsetup
 from . import ownership
 from .gpu import GpuBackend
 from .gpustate import GpuSnapshot, busy_gpus, describe_busy
-from .messages import EventNoted, GpuSampled, GpuWaitEnded, OrphansKilled
+from .messages import EventNoted, GpuSampled, GpuWaitEnded, Message, OrphansKilled
 from .settings import Settings
 from .states import ServerState
 from .tasks import Tasks
@@ -28,12 +28,21 @@ log = logsetup.get_logger("gpuwarden.supervisor")
 GPU_POLL_S = 1.0
 
 
-class GpuWatch(Tasks):
-    settings: Settings
-    gpu: GpuBackend
-    view: Callable[[], Snapshot]
-    sweep_deadline_s: float
-    _gpu_task: asyncio.Task[Any] | None = None
+class GpuWatch:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        gpu: GpuBackend,
+        tasks: Tasks,
+        post: Callable[[Message], None],
+        view: Callable[[], Snapshot],
+        sweep_deadline_s: float,
+    ) -> None:
+        self.settings, self.gpu, self.tasks, self.post, self.view = settings, gpu, tasks, post, view
+        self.clock = tasks.clock
+        self.sweep_deadline_s = sweep_deadline_s  # a sweep's orphan kills, within the wait's
+        self._gpu_task: asyncio.Task[Any] | None = None
 
     def wait_for_gpus(self, launch: Launch) -> None:
         snap = self.gpu_snapshot_now()
@@ -46,7 +55,9 @@ class GpuWatch(Tasks):
             self.post(GpuWaitEnded(launch.gen, True))
             return
         deadline = self.settings.gpu.release_timeout_s + self.sweep_deadline_s
-        self._gpu_task = self.task(self._wait_for_gpus(launch), gen=launch.gen, deadline_s=deadline)
+        self._gpu_task = self.tasks.task(
+            self._wait_for_gpus(launch), gen=launch.gen, deadline_s=deadline
+        )
 
     def cancel_gpu_wait(self) -> None:
         if self._gpu_task is not None:
@@ -106,7 +117,7 @@ class GpuWatch(Tasks):
         return await asyncio.to_thread(self.gpu.snapshot)
 
     def refresh_gpus(self) -> None:
-        self.task(self._refresh_gpus())
+        self.tasks.task(self._refresh_gpus())
 
     async def _refresh_gpus(self) -> None:
         """A sample out of turn (at ready): of no launch, but with the running tree's pids when
@@ -120,7 +131,7 @@ class GpuWatch(Tasks):
             self.post(GpuSampled(0, snap, tree))
 
     def poll_gpus(self) -> None:
-        self.task(self._poll_gpus())
+        self.tasks.task(self._poll_gpus())
 
     async def _poll_gpus(self) -> None:
         """Once a second: a GPU snapshot and the running launch's process tree, posted to the
@@ -142,4 +153,4 @@ class GpuWatch(Tasks):
                     self.post(GpuSampled(view.gen, snap, tree, unresolved))
                 except Exception:
                     log.exception("gpu.poll_failed")
-            await self.real.sleep(GPU_POLL_S)
+            await self.tasks.real.sleep(GPU_POLL_S)

@@ -55,6 +55,7 @@ from .model import utc_iso
 from .settings import Settings
 from .sglanglines import Finding, ParsedLine
 from .store import EventLog, StateStore
+from .tasks import Tasks
 
 if TYPE_CHECKING:
     from .effects import ServerHandle, ServerLog
@@ -72,7 +73,6 @@ PIPE_DRAIN_S = 0.2  # after an exit, how long to wait for the last output before
 # under a second: pipes, a /proc walk, a GPU snapshot, the kills' own grace).
 SWEEP_DEADLINE_S = 120.0
 SAVE_RETRY_S = 2.0
-GPU_POLL_S = 1.0
 SETTLED_KEPT = 32  # outcomes of settled swaps kept for `restart --wait` callers
 # Between a server's end and the next exec, records wait for the exec (they are written right
 # after it), but never longer than this.
@@ -80,7 +80,7 @@ HOLD_RECORDS_S = 0.25
 FIRST_SLICE_S = 0.01
 
 
-class Host(GpuWatch):
+class Host:
     def __init__(
         self,
         settings: Settings,
@@ -95,7 +95,8 @@ class Host(GpuWatch):
         post: Callable[[Message], None],
         view: Callable[[], Snapshot],
     ) -> None:
-        super().__init__(clock, post)
+        self.tasks = Tasks(clock, post)  # every task of the host, scoped and reported
+        self.clock, self.post, self.real = clock, post, self.tasks.real
         self.settings, self.gpu, self.prober = settings, gpu, prober
         self.store, self.events, self.configs = store, events, configs
         self.preflight = preflight
@@ -103,8 +104,15 @@ class Host(GpuWatch):
         self.line_listeners: set[Callable[[list[str]], None]] = set()  # raw: redact to serve
         self.event_listeners: list[Callable[[dict[str, Any]], None]] = []
         self.sweep_deadline_s = SWEEP_DEADLINE_S
+        self.gpus = GpuWatch(
+            settings=settings,
+            gpu=gpu,
+            tasks=self.tasks,
+            post=post,
+            view=view,
+            sweep_deadline_s=SWEEP_DEADLINE_S,
+        )
         self.subreaper = childmod.is_subreaper()
-        self._gpu_task: asyncio.Task[Any] | None = None
         self._retry_task: asyncio.Task[Any] | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
         self._events_error: str | None = None
@@ -119,6 +127,29 @@ class Host(GpuWatch):
         # its own). Read once: decoding os.environ at each launch cost the restart path ~0.1 ms.
         self.base_env = dict(os.environ)
 
+    # -- the parts, as the machine and the supervisor ask for them ------------------------------
+
+    def timer(self, seconds: float, msg: Message, launch: Launch | None = None) -> None:
+        self.tasks.timer(seconds, msg, launch)
+
+    def end_tasks(self, launch: Launch) -> None:
+        self.tasks.end_tasks(launch)
+
+    def overdue(self) -> str | None:
+        return self.tasks.overdue()
+
+    def wait_for_gpus(self, launch: Launch) -> None:
+        self.gpus.wait_for_gpus(launch)
+
+    def cancel_gpu_wait(self) -> None:
+        self.gpus.cancel_gpu_wait()
+
+    def refresh_gpus(self) -> None:
+        self.gpus.refresh_gpus()
+
+    def poll_gpus(self) -> None:
+        self.gpus.poll_gpus()
+
     async def close(self) -> None:
         self.flush_records()
         self._closing = True
@@ -126,7 +157,7 @@ class Host(GpuWatch):
         if self._save_next is not None:  # the last change, behind the write then under way
             await asyncio.to_thread(self.store.save, self._save_next)
             self._save_next = None
-        self.cancel_all()
+        self.tasks.cancel_all()
         await self.prober.close()
 
     # -- records -------------------------------------------------------------------------------
@@ -158,7 +189,7 @@ class Host(GpuWatch):
     def _write_record(self, record: dict[str, Any]) -> None:
         self.events.append(record)
         if self.events.needs_prune():
-            self.task(self._prune_events())
+            self.tasks.task(self._prune_events())
         if self.events.write_error != self._events_error:
             self._events_error = self.events.write_error
             self.post(WriteHealthChanged("events", self._events_error))
@@ -198,7 +229,7 @@ class Host(GpuWatch):
             self.save(record)
 
     def save_again(self) -> None:
-        self.task(self._fire(SAVE_RETRY_S, SaveDelayElapsed()))
+        self.tasks.timer(SAVE_RETRY_S, SaveDelayElapsed())
 
     def swap_settled(self, swap_id: str, outcome: dict[str, Any]) -> None:
         fut = self.settled(swap_id)
@@ -232,7 +263,7 @@ class Host(GpuWatch):
             f"gpuwarden launch {launch.launch_id} at {utc_iso(self.clock.time())}",
             *redacted_header_lines(cfg),
         ]
-        task = self.task(self._spawn(launch, header, child), gen=launch.gen)
+        task = self.tasks.task(self._spawn(launch, header, child), gen=launch.gen)
         task.add_done_callback(lambda t: self._spawn_ended(t, launch.gen, child))
 
     def _spawn_ended(
@@ -359,7 +390,7 @@ class Host(GpuWatch):
     # -- probes ----------------------------------------------------------------------------------
 
     def probe(self, launch: Launch, readiness: bool) -> None:
-        self.task(self._probe_loop(launch, readiness), launch=launch)
+        self.tasks.task(self._probe_loop(launch, readiness), launch=launch)
 
     async def _probe_loop(self, launch: Launch, readiness: bool) -> None:
         health = launch.config.config.health
@@ -378,7 +409,7 @@ class Host(GpuWatch):
                 self.post(ProbeFailed(launch.gen, result.detail))
 
     def check_listener(self, launch: Launch, how: str) -> None:
-        self.task(self._check_listener(launch, how), launch=launch)
+        self.tasks.task(self._check_listener(launch, how), launch=launch)
 
     async def _check_listener(self, launch: Launch, how: str) -> None:
         assert launch.child is not None
@@ -403,11 +434,11 @@ class Host(GpuWatch):
         try:
             if not self._swept_at_once(launch):
                 coro = self._after_exit(launch)
-                self.task(coro, gen=launch.gen, deadline_s=self.sweep_deadline_s)
+                self.tasks.task(coro, gen=launch.gen, deadline_s=self.sweep_deadline_s)
         except Exception as exc:
             if coro is not None:
                 coro.close()
-            self.report_failure("after_exit", launch.gen, exc)
+            self.tasks.report_failure("after_exit", launch.gen, exc)
 
     def _swept_at_once(self, launch: Launch) -> bool:
         """The usual end of a server, known without a wait: its output is all in and nothing of
@@ -426,7 +457,7 @@ class Host(GpuWatch):
         try:
             if not childmod.nothing_left(child.pgid):
                 return False
-            if self.gpus_answer_at_once and any(g.processes for g in self.gpu.snapshot().gpus):
+            if self.gpus.gpus_answer_at_once and any(g.processes for g in self.gpu.snapshot().gpus):
                 return False
         except Exception:  # the task's path tries again, and reports what fails
             return False
@@ -444,21 +475,21 @@ class Host(GpuWatch):
             killed = await childmod.kill_leftovers(leftovers)
         report = [{"pid": k.pid, "name": k.name, "cmdline": k.cmdline} for k in killed]
         # Holders of ours the tree walk could not reach (an earlier launch's orphans).
-        snap = await self.gpu_snapshot()
-        report += await self.kill_gpu_orphans(list(snap.gpus))
+        snap = await self.gpus.gpu_snapshot()
+        report += await self.gpus.kill_gpu_orphans(list(snap.gpus))
         self.post(SweepFinished(launch.gen, report))
 
     # -- the boot -----------------------------------------------------------------------------
 
     def stop_previous(self, previous: PreviousServer) -> None:
-        self.task(self._stop_previous(previous))
+        self.tasks.task(self._stop_previous(previous))
 
     async def _stop_previous(self, previous: PreviousServer) -> None:
         killed = await boot.stop_previous(previous, self.settings.stop.grace_s)
         self.post(PreviousServerStopped(previous, killed))
 
     def boot_start(self, config: str, rollback: str | None) -> None:
-        self.task(self._boot_start(config, rollback), deadline_s=boot.BOOT_DEADLINE_S)
+        self.tasks.task(self._boot_start(config, rollback), deadline_s=boot.BOOT_DEADLINE_S)
 
     async def _boot_start(self, config: str, rollback: str | None) -> None:
         self.post(await boot.boot_start(self.configs, self.preflight, config, rollback))
@@ -467,7 +498,7 @@ class Host(GpuWatch):
         if delay_s <= 0 and config and self._retry_unchanged(gen, config):
             self._retry_task = None  # no delay and nothing to read: posted now
             return
-        self._retry_task = self.task(self._retry(delay_s, gen, config), gen=gen)
+        self._retry_task = self.tasks.task(self._retry(delay_s, gen, config), gen=gen)
 
     def _retry_unchanged(self, gen: int, config: str) -> bool:
         """A config whose files did not change is known by a stat of each: no thread hop on
@@ -510,7 +541,7 @@ class Host(GpuWatch):
         self.post(EventNoted("events_pruned", {"lines": dropped, "kept": self.events.lines}))
 
     def prune_logs(self, protect: set[str], order: list[str]) -> None:
-        self.task(self._prune_logs(protect, order))
+        self.tasks.task(self._prune_logs(protect, order))
 
     async def _prune_logs(self, protect: set[str], order: list[str]) -> None:
         keep = self.settings.log_retention

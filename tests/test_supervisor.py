@@ -574,14 +574,14 @@ async def test_a_sweep_that_cannot_begin_is_an_internal_error_and_supervision_go
     async with running(tmp_path, fake_gpu, {"f": standin_config()}) as sup:
         await sup.start("f")
         await sup.wait_for_state(S.READY, timeout=20)
-        host_task = sup.host.task
+        host_task = sup.host.tasks.task
 
         def refuse_the_sweep(coro: Any, **kw: Any) -> Any:
             if getattr(coro, "__qualname__", "").endswith("_after_exit"):
                 raise RuntimeError("no task can be made")
             return host_task(coro, **kw)
 
-        sup.host.task = refuse_the_sweep  # type: ignore[method-assign]
+        sup.host.tasks.task = refuse_the_sweep  # type: ignore[method-assign]
         launch = sup.machine.launch
         assert launch is not None and launch.child is not None
         launch.child.kill_group()
@@ -599,7 +599,7 @@ async def test_a_spawn_cancelled_before_it_began_ends_its_server_and_is_an_inter
     runs its `finally`. The server must not run on unseen, nor the machine wait for a spawn's
     outcome that will not come."""
     async with running(tmp_path, fake_gpu, {"f": standin_config()}) as sup:
-        host_task = sup.host.task
+        host_task = sup.host.tasks.task
         cancelled: list[Any] = []  # the launch whose spawn is cancelled
 
         def cancel_the_first_spawn(coro: Any, **kw: Any) -> Any:
@@ -609,7 +609,7 @@ async def test_a_spawn_cancelled_before_it_began_ends_its_server_and_is_an_inter
                 task.cancel()  # before its first step: the loop has not run it
             return task
 
-        sup.host.task = cancel_the_first_spawn  # type: ignore[method-assign]
+        sup.host.tasks.task = cancel_the_first_spawn  # type: ignore[method-assign]
         await sup.start("f")
         failed = await wait_event(sup, "internal_error", task="spawn")
         assert "cancelled" in failed["error"]
