@@ -17,19 +17,24 @@ from .errors import CommandError
 from .messages import BootBegan, StartRequested
 from .model import PreviousServer
 from .preflight import Preflight, PreflightResult
+from .store import secret_salt
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from .configs import ConfigStore, ResolvedConfig
     from .store import StateStore
 
 BOOT_DEADLINE_S = 300.0  # the boot's config read and preflight (two introspections at most)
 
 
-async def survey(store: StateStore, boot_id: str) -> BootBegan:
-    """state.json as the previous life left it, and which of its processes still live."""
+async def survey(store: StateStore, boot_id: str, state_dir: Path) -> BootBegan:
+    """state.json as the previous life left it, which of its processes still live, and the
+    install's key for the digests of secrets kept in launch records."""
+    salt = await asyncio.to_thread(secret_salt, state_dir)
     data, note = await asyncio.to_thread(store.load)
     previous, alive_known = await asyncio.to_thread(_survey, data, boot_id)
-    return BootBegan(data, note, previous, alive_known)
+    return BootBegan(data, note, previous, alive_known, salt)
 
 
 def _survey(

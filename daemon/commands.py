@@ -212,7 +212,7 @@ def sweep_ended(m: Machine, msg: SweepEnded) -> None:
 def refuse(m: Machine, name: str | None, detail: str) -> None:
     """A start whose preflight failed (or whose config no longer reads): `failed`."""
     m.intent_config, m.intent_running = name, True
-    m.last_exit = m.exit_record("preflight_refused", detail)
+    m.ledger.note_exit("preflight_refused", detail)
     m.event("preflight_refused", config=name, detail=detail)
     if m.state != ServerState.FAILED:
         m.transition(ServerState.FAILED, reason="preflight_refused")  # STOPPED|BACKOFF -> FAILED

@@ -1,7 +1,10 @@
 """The machine: every decision about the server's lifecycle, top to bottom.
 
-`handle(msg)` (in `books.py`, with the one writer of the state and of a swap's phase) decides
-on one message synchronously: no awaits, processes, files or clocks of its own. What it decides
+`handle(msg)` decides on one message synchronously, dispatched by one explicit `match`: no
+awaits, processes, files or clocks of its own. `Machine` holds the lifecycle's fields and is
+their one writer (the state and a swap's phase only through `transition` and `set_phase`,
+checked against `states.py`'s tables); it composes a `Ledger` (`ledger.py`) of the records
+that decide nothing. What it decides
 leaves through the host (`host.py`), whose tasks post outcomes back; sites say `# FROM -> TO`.
 
 A crash, read top to bottom: `ServerExited` (`# READY -> STOPPING`, host.sweep) → `SweepFinished`
@@ -15,7 +18,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, assert_never
 
 from . import commands, saved
-from .books import Books
+from .effects import Effects
+from .ledger import Ledger
 from .messages import (
     BackoffElapsed,
     BootBegan,
@@ -53,13 +57,48 @@ from .model import Boot, Launch, Next, Swap, utc_iso, utc_stamp
 from .policy import NOT_RETRIED, Classification, backoff_delay, classify_exit
 from .redact import Redactor, fingerprints
 from .sglanglines import decode_metrics, strip_prefix
-from .states import ServerState, SwapPhase
+from .states import RUNNING_STATES, ServerState, SwapPhase, check_phase, check_transition
 
 if TYPE_CHECKING:
+    import random
+
+    from .clock import Clock
     from .configs import ResolvedConfig
+    from .settings import Settings
 
 
-class Machine(Books):
+class Machine:
+    def __init__(self, settings: Settings, host: Effects, clock: Clock, rng: random.Random) -> None:
+        self.settings, self.host, self.clock, self.rng = settings, host, clock, rng
+        self.state = ServerState.STOPPED
+        self.state_since = clock.time()
+        self.finished = False  # the daemon's shutdown is complete: the owner ends
+        self.dirty = False  # the saved state is stale: saved once after this message
+        self.gen = 0
+        self.launch: Launch | None = None
+        self.boot: Boot | None = None  # the daemon's start, under way (`on_boot_began`)
+        self.swap: Swap | None = None
+        self.intent_config: str | None = None
+        self.intent_running = False
+        self.last_good_config: str | None = None
+        self.last_good_launch: str | None = None
+        self.last_failed_launch: str | None = None
+        self.rolled_back_from: str | None = None
+        self.failures = 0
+        self.restarts = 0  # relaunches of the same config: retries and requested restarts
+        self.swaps = 0  # swaps to another config, counted apart
+        self.rollbacks = 0
+        self.crash_loop = False
+        self.next_retry_at: float | None = None
+        self.launch_seq = 0
+        self.stop_ticket = 0
+        self.active_sweep: str | None = None
+        # What the active sweep ends on: no other config it starts becomes last-good, and a
+        # daemon that dies mid-sweep starts this one at its next boot.
+        self.sweep_restore_to: str | None = None
+        self.saving_again = False
+        self.ledger = Ledger(clock, self.event)  # the records, which decide nothing
+
     def handle(self, msg: Message) -> Any:
         """Decide on one message. A command's answer is returned (a refusal raises
         `CommandError`); a shutdown's is given once `finished` holds."""
@@ -115,7 +154,7 @@ class Machine(Books):
                 self.on_boot_began(msg)
             case PreviousServerStopped():
                 self.on_previous_server_stopped(msg)
-            # Records that decide nothing (`books.py`).
+            # Records that decide nothing (kept by the ledger).
             case EventNoted():
                 self.on_event_noted(msg)
             case OrphansKilled():
@@ -132,6 +171,123 @@ class Machine(Books):
                 assert_never(msg)
         return None
 
+    # -- the one writer of the state and of a swap's phase, and what it reads ------------------
+
+    def transition(self, new: ServerState, **fields: Any) -> None:
+        old = self.state
+        check_transition(old, new)
+        self.state, self.state_since = new, self.clock.time()
+        if new != ServerState.BACKOFF:
+            self.next_retry_at = None
+        self.event("state", **{"from": str(old), "to": str(new)}, **fields)
+
+    def set_phase(self, swap: Swap, new: SwapPhase) -> None:
+        if swap.phase != new:
+            check_phase(swap.phase, new)
+            swap.phase = new
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """Record an event (events.jsonl, the API's listeners, the daemon's log)."""
+        record: dict[str, Any] = {"ts": utc_iso(self.clock.time()), "event": kind}
+        if self.launch is not None:
+            record.setdefault("config", self.launch.config.name)
+            if self.launch.launch_id:
+                record["launch_id"] = self.launch.launch_id
+        record.update({k: v for k, v in fields.items() if v is not None})
+        self.host.record(record)
+
+    def persist(self) -> None:
+        self.dirty = True
+
+    def current(self, gen: int) -> Launch | None:
+        launch = self.launch
+        return launch if launch is not None and launch.gen == gen else None
+
+    def may_be_last_good(self, launch: Launch) -> bool:
+        """A launch a sweep measures is not last-good (the sweep ends on another config); the
+        config the sweep ends on may be."""
+        return self.active_sweep is None or launch.config.name == self.sweep_restore_to
+
+    def set_intent(self, config: str | None, running: bool) -> None:
+        self.intent_config, self.intent_running = config, running
+        self.persist()
+
+    def current_config(self) -> str | None:
+        launch = self.launch
+        if launch is not None and self.state in (ServerState.WAITING_GPU, *RUNNING_STATES):
+            return launch.config.name
+        return self.intent_config
+
+    def serving(self) -> Launch | None:
+        """The launch serving requests now (ready, or ready and failing probes)."""
+        launch = self.launch
+        if launch is None or launch.exited or launch.ready_at is None:
+            return None
+        return launch if self.state in (ServerState.READY, ServerState.UNHEALTHY) else None
+
+    def settle_swap(self, outcome: str, reason: str | None, evidence: str | None) -> None:
+        swap = self.swap
+        if swap is None:
+            return
+        swap.outcome = {
+            "outcome": outcome,
+            "reason": reason,
+            "evidence": evidence,
+            "launch_ids": list(swap.launch_ids),
+            "swap_id": swap.id,
+            "config": self.intent_config,
+        }
+        self.set_phase(swap, SwapPhase.DONE)  # STOPPING|WAITING_GPU|STARTING|ROLLING_BACK -> DONE
+        self.host.swap_settled(swap.id, swap.outcome)
+        self.event("swap_settled", swap_id=swap.id, outcome=outcome, reason=reason)
+
+    def count_relaunch(self) -> None:
+        """A relaunch of the same config is a restart; a swap was counted when it was asked."""
+        if self.swap is None or not self.swap.is_swap:
+            self.restarts += 1
+
+    def protected_logs(self) -> set[str]:
+        current = self.launch.launch_id if self.launch else None
+        return {x for x in (current, self.last_good_launch, self.last_failed_launch) if x}
+
+    def resume_swap(self, swap: Swap, phase: str | None) -> None:
+        self.swap = swap
+        self.event(
+            "swap_resumed",
+            swap_id=swap.id,
+            from_config=swap.from_config,
+            to_config=swap.to_config,
+            phase=phase,
+            detail="the daemon stopped during this swap; it goes on as the same swap",
+        )
+
+    # -- records, kept by the ledger -------------------------------------------------------------
+
+    def on_server_figures_read(self, msg: ServerFiguresRead) -> None:
+        """Figures read from the server's own /metrics; dropped when their launch is gone."""
+        launch = self.current(msg.gen)
+        if launch is not None and launch.running:
+            self.ledger.note_figures(launch, dict(msg.figures), "sglang_metrics")
+
+    def on_orphans_killed(self, msg: OrphansKilled) -> None:
+        self.ledger.note_killed(msg.killed, "gpu_orphans_killed")
+
+    def on_event_noted(self, msg: EventNoted) -> None:
+        self.event(msg.kind, **msg.fields)
+
+    def on_state_saved(self, msg: StateSaved) -> None:
+        self.ledger.note_write_health("state", msg.error)
+        if msg.error is not None and not self.saving_again:
+            self.saving_again = True  # keep trying: the state on disk is stale until it works
+            self.host.save_again()
+
+    def on_save_delay_elapsed(self, msg: SaveDelayElapsed) -> None:
+        self.saving_again = False
+        self.persist()
+
+    def on_write_health_changed(self, msg: WriteHealthChanged) -> None:
+        self.ledger.note_write_health(msg.target, msg.error)
+
     # -- the boot: what the previous life left ----------------------------------------------------
 
     def on_boot_began(self, msg: BootBegan) -> None:
@@ -140,6 +296,7 @@ class Machine(Books):
         intent starts, read and preflighted like any start (the host's `boot_start`). A
         command asked meanwhile is handled in order with these (`commands.during_boot`)."""
         data = msg.record
+        self.ledger.secret_salt = msg.secret_salt
         if msg.note:
             self.event("state_file_corrupt", detail=msg.note)
         try:
@@ -198,7 +355,8 @@ class Machine(Books):
         boot = self.boot
         if boot is None:
             return
-        self.close_unobserved(stopped_id)
+        if self.ledger.close_unobserved(stopped_id):
+            self.persist()
         boot.stopping = None
         if boot.shutdown:  # asked during the stop: the daemon ends now
             self.boot, self.finished = None, True
@@ -212,7 +370,7 @@ class Machine(Books):
         self.gen += 1
         swap = self.swap if self.swap is not None and self.swap.active else None
         self.launch = Launch(gen=self.gen, config=cfg, swap=swap, rollback=rollback)
-        self.server_metrics, self.server_metrics_mono = {}, None  # each launch's own figures
+        self.ledger.reset_figures()  # each launch's own figures
         if swap is not None and swap.phase != SwapPhase.ROLLING_BACK:
             self.set_phase(swap, SwapPhase.WAITING_GPU)  # STOPPING -> WAITING_GPU
         if self.state != ServerState.WAITING_GPU:
@@ -243,7 +401,7 @@ class Machine(Books):
         launch.spawning = False
         if self.state == ServerState.STOPPING:  # a stop or swap came while it executed
             verdict = Classification(msg.reason, msg.detail)
-            self.record_exit(launch, verdict)
+            self.ledger.record_exit(launch, verdict)
             self._after_stop(launch, verdict, recorded=True)
         else:
             self._fail(launch, Classification(msg.reason, msg.detail))
@@ -254,9 +412,7 @@ class Machine(Books):
             self.host.abandon(msg.server, msg.log)
             return
         launch.spawning, launch.child, launch.log = False, msg.server, msg.log
-        self.on_write_health_changed(
-            WriteHealthChanged("launch_log", None)
-        )  # a new file: any gap is over
+        self.ledger.note_write_health("launch_log", None)  # a new file: any gap is over
         if launch.swap is not None:
             launch.swap.launch_ids.append(launch.launch_id)
             if launch.swap.phase == SwapPhase.WAITING_GPU:
@@ -272,11 +428,13 @@ class Machine(Books):
             "log_file": path,
             "exit": None,
         }
-        if self.secret_salt is not None:
+        if self.ledger.secret_salt is not None:
             # Its secrets by keyed digest, never in clear: its log stays masked after the
             # config's secrets change (views.redactor_for).
-            record["secrets"] = fingerprints(self.secret_salt, launch.redactor.secrets)
-        self.history.started(record)  # every launch is on record from its start; the exit fills in
+            record["secrets"] = fingerprints(self.ledger.secret_salt, launch.redactor.secrets)
+        self.ledger.history.started(
+            record
+        )  # every launch is on record from its start; the exit fills in
         self.persist()
         if self.state == ServerState.STOPPING:  # stopped while it executed: it goes now
             self.event(
@@ -293,7 +451,7 @@ class Machine(Books):
         self.host.probe(launch, readiness=True)
         # Oldest first by the order of the launches on record, never by the time in their ids.
         self.host.prune_logs(
-            self.protected_logs(), [e["launch_id"] for e in self.history.entries()]
+            self.protected_logs(), [e["launch_id"] for e in self.ledger.history.entries()]
         )
 
     def on_line_parsed(self, msg: LineParsed) -> None:
@@ -301,7 +459,7 @@ class Machine(Books):
         if launch is None:
             return
         if msg.parsed.decode is not None:
-            self.note_figures(launch, decode_metrics(msg.parsed.decode), "log")
+            self.ledger.note_figures(launch, decode_metrics(msg.parsed.decode), "log")
         if msg.parsed.death:
             self._death_announced(launch, launch.redactor.text(strip_prefix(msg.line).strip()))
         elif msg.parsed.ready and self.state == ServerState.STARTING:
@@ -366,9 +524,9 @@ class Machine(Books):
             launch.listener_rechecked = True
             self.host.probe(launch, readiness=True)
             return
-        if check.ours is None and launch.config.name not in self.listener_warned:
+        if check.ours is None and launch.config.name not in self.ledger.listener_warned:
             # Said once per config: the same reason holds for every launch of it.
-            self.listener_warned.add(launch.config.name)
+            self.ledger.listener_warned.add(launch.config.name)
             self.event(
                 "listener_unchecked",
                 config=launch.config.name,
@@ -384,7 +542,7 @@ class Machine(Books):
         self.transition(
             ServerState.READY, via=how, time_to_ready_s=round(took, 3)
         )  # STARTING -> READY
-        self.note_ready(launch.config.name, took)
+        self.ledger.note_ready(launch.config.name, took)
         swap = launch.swap
         if swap is not None and swap.active and launch.rollback:
             self.settle_swap("rolled_back", swap.outcome_reason, swap.outcome_evidence)
@@ -417,8 +575,10 @@ class Machine(Books):
             self._end_for_retry(launch, "liveness_failed", last)  # UNHEALTHY -> STOPPING
 
     def on_gpu_sampled(self, msg: GpuSampled) -> None:
-        launch = self.note_gpus(msg)
-        if launch is None or self.state != ServerState.READY:
+        launch = self.current(msg.gen)
+        if self.ledger.note_gpus(msg, launch):
+            self.persist()  # a holder known as ours: a later life knows its orphans
+        if launch is None or launch.exited or not msg.tree or self.state != ServerState.READY:
             return
         tree_pids = {pid for pid, _ in msg.tree}
         held = {
@@ -524,8 +684,7 @@ class Machine(Books):
         if launch is None or launch.child is None or self.state != ServerState.STOPPING:
             return
         if msg.killed:
-            self.last_sweep_killed = msg.killed
-            self.event("sweep", killed=msg.killed)
+            self.ledger.note_killed(msg.killed, "sweep")
         requested = launch.next in (Next.STOP, Next.RELAUNCH, Next.SHUTDOWN)
         verdict = classify_exit(
             launch.returncode,
@@ -533,8 +692,9 @@ class Machine(Books):
             requested_stop=requested and launch.imposed is None,
             imposed=launch.imposed,
         )
-        self.record_exit(launch, verdict)
-        self.host.close_launch(launch, f"exit: {self.last_exit and self.last_exit['evidence']}")
+        self.ledger.record_exit(launch, verdict)
+        last = self.ledger.last_exit
+        self.host.close_launch(launch, f"exit: {last and last['evidence']}")
         self._after_stop(launch, verdict, recorded=True)
 
     def _after_stop(self, launch: Launch, verdict: Classification, recorded: bool = False) -> None:
@@ -555,8 +715,8 @@ class Machine(Books):
 
     def _fail(self, launch: Launch, verdict: Classification, recorded: bool = False) -> None:
         if not recorded:
-            self.record_exit(launch, verdict)
-        self.exits_by_reason[verdict.reason] = self.exits_by_reason.get(verdict.reason, 0) + 1
+            self.ledger.record_exit(launch, verdict)
+        self.ledger.count_exit(verdict.reason)
         swap = launch.swap
         first_start = swap is not None and swap.is_swap and swap.active and not launch.rollback
         in_probation = launch.on_probation and launch.ready_mono is not None
@@ -671,7 +831,7 @@ class Machine(Books):
     def on_task_failed(self, msg: TaskFailed) -> None:
         """A helper task raised (descriptors exhausted, /proc unreadable, a bug): record it, then
         recover so the machine never waits for a message that will not come."""
-        self.internal_errors += 1
+        self.ledger.internal_errors += 1
         self.event("internal_error", task=msg.name, error=msg.error)
         launch = self.current(msg.gen)
         evidence = f"the {msg.name} task failed: {msg.error}"
@@ -692,7 +852,7 @@ class Machine(Books):
         elif msg.name == "boot_start":
             self.boot = None
             if self.state == ServerState.STOPPED:
-                self.last_exit = self.exit_record("internal_error", evidence)
+                self.ledger.note_exit("internal_error", evidence)
                 self.transition(
                     ServerState.FAILED, reason="internal_error", detail=evidence
                 )  # STOPPED -> FAILED
@@ -708,7 +868,7 @@ class Machine(Books):
     def recover(self, message: str, exc: Exception) -> None:
         """An internal message whose handling raised (a bug): say so, and where the launch has
         already exited, go to failed rather than wait in stopping for ever."""
-        self.internal_errors += 1
+        self.ledger.internal_errors += 1
         evidence = f"handling {message} failed: {type(exc).__name__}: {exc}"
         self.event("internal_error", message=message, error=evidence)
         launch = self.launch

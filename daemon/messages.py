@@ -68,6 +68,9 @@ class BootBegan:
     previous: PreviousServer | None  # a server of that life still running, or its leftovers
     # Of the processes that life knew to be ours, (pid, create time) of those still alive.
     alive_known: frozenset[tuple[int, float]] = frozenset()
+    # The install's key for the digests of each launch's secrets kept in its record (None:
+    # none are kept).
+    secret_salt: bytes | None = None
 
 
 # -- internal events ------------------------------------------------------------------------------

@@ -54,8 +54,8 @@ def record(m: Any, boot_id: str) -> dict[str, Any]:
         "failures": m.failures,
         "launch_seq": m.launch_seq,
         "current_launch": current,
-        "last_exit": m.last_exit,
-        "launches": list(m.history.entries()),
+        "last_exit": m.ledger.last_exit,
+        "launches": list(m.ledger.history.entries()),
         "swap": _swap_record(m),
         # A sweep under way, and the config it ends on: a later life ends it on that config.
         "sweep": (
@@ -64,7 +64,7 @@ def record(m: Any, boot_id: str) -> dict[str, Any]:
             else None
         ),
         "known_processes": [
-            [pid, ct, lid] for (pid, ct), lid in list(m.known_ours.items())[-KNOWN_KEPT:]
+            [pid, ct, lid] for (pid, ct), lid in list(m.ledger.known_ours.items())[-KNOWN_KEPT:]
         ],
     }
 
@@ -99,13 +99,13 @@ def restore(m: Any, data: dict[str, Any], alive: Callable[[int, float], bool]) -
     m.last_failed_launch = _name(data.get("last_failed_launch"), "last_failed_launch")
     m.launch_seq = int(data.get("launch_seq", 0) or 0)
     m.failures = int(data.get("failures", 0) or 0)  # shown while booting; a start resets it
-    m.history = LaunchHistory(data.get("launches") or [])
-    m.last_exit = data.get("last_exit")
+    m.ledger.history = LaunchHistory(data.get("launches") or [])
+    m.ledger.last_exit = data.get("last_exit")
     for item in data.get("known_processes") or []:
         with contextlib.suppress(TypeError, ValueError, IndexError):
             pid, ct, lid = int(item[0]), float(item[1]), str(item[2])
             if alive(pid, ct):
-                m.known_ours[(pid, ct)] = lid
+                m.ledger.known_ours[(pid, ct)] = lid
 
 
 def _name(value: Any, field: str) -> str | None:

@@ -31,7 +31,7 @@ from .preflight import Preflight, PreflightResult
 from .redact import Redactor
 from .settings import Settings
 from .states import HOLD_RECORDS_STATES, RELAUNCH_STATES, ServerState
-from .store import EventLog, StateStore, secret_salt
+from .store import EventLog, StateStore
 
 log = logsetup.get_logger("gpuwarden.supervisor")
 
@@ -101,9 +101,8 @@ class Supervisor:
 
     async def run(self) -> None:
         self._owner = asyncio.current_task()
-        self.machine.secret_salt = await asyncio.to_thread(secret_salt, self.settings.state_dir)
         self.host.poll_gpus()
-        began = await boot.survey(self.store, self._boot_id)
+        began = await boot.survey(self.store, self._boot_id, self.settings.state_dir)
         with contextlib.suppress(TypeError, ValueError):  # events.jsonl may be gone: go on
             self.events.seq = max(self.events.seq, int(began.record.get("events_seq") or 0))
         # The first message, before any command: those asked meanwhile wait in the inbox.
@@ -332,7 +331,7 @@ class Supervisor:
         m = self.machine
 
         def ended(_: Supervisor) -> bool:
-            exited = (m.last_exit or {}).get("launch_id") == launch_id
+            exited = (m.ledger.last_exit or {}).get("launch_id") == launch_id
             other = m.swap is not None and m.swap.id != swap_id
             return exited or other or not m.intent_running or m.finished
 
@@ -351,7 +350,7 @@ class Supervisor:
         if not ended(self):
             evidence = f"{name} is ready and survived its probation ({probation_s:g} s)"
             return {**ready, "evidence": evidence}
-        last = m.last_exit or {}
+        last = m.ledger.last_exit or {}
         if last.get("launch_id") == launch_id:
             why = f"{name} crashed during its probation ({probation_s:g} s after ready)"
             if last.get("evidence"):
@@ -441,4 +440,5 @@ class Supervisor:
 
     def redactor_for(self, record: Mapping[str, Any] | None) -> Redactor:
         """A redactor for the log of the launch whose history entry is `record`."""
-        return views.redactor_for(self.snapshot(), self.configs, record, self.machine.secret_salt)
+        salt = self.machine.ledger.secret_salt
+        return views.redactor_for(self.snapshot(), self.configs, record, salt)

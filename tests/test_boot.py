@@ -116,11 +116,17 @@ def test_a_stop_during_a_slow_boot_wins(procs: list[Proc], tmp_path: Path, fake_
     st = d.status()
     assert st["state"] == "stopped" and st["intent"] == {"config": "base", "running": False}
     assert not launches(d)  # nothing started: the boot was over when it said so
-    saved = json.loads((tmp_path / "state" / "state.json").read_text())
-    assert saved["intent"] == {"config": "base", "running": False}
-    # The previous life's launch has its exit on record: stopped at this boot.
-    (entry,) = saved["launches"]
+
+    def saved() -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((tmp_path / "state" / "state.json").read_text())
+        return data
+
+    # The previous life's launch has its exit on record (stopped at this boot), and the
+    # intent is saved as stopped: a later life starts nothing either.
+    wait_until(lambda: saved()["launches"][0]["exit"] is not None, 10, "the exit saved")
+    (entry,) = saved()["launches"]
     assert entry["exit"]["reason"] == "requested_stop"
+    assert saved()["intent"] == {"config": "base", "running": False}
 
 
 def test_a_start_during_the_previous_servers_stop_is_refused_until_it_is_gone(

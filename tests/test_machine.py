@@ -445,7 +445,9 @@ async def test_a_lost_retry_task_fails_the_attempt_instead_of_waiting_for_ever(
     assert w.m.state == S.BACKOFF
     w.send(TaskFailed("retry", w.launch.gen, "RuntimeError: cannot schedule new futures"))
     assert w.m.state == S.FAILED
-    assert w.m.last_exit is not None and "retry task failed" in w.m.last_exit["evidence"]
+    assert (
+        w.m.ledger.last_exit is not None and "retry task failed" in w.m.ledger.last_exit["evidence"]
+    )
 
 
 def test_the_tasks_the_machine_recovers_from_are_the_hosts_own() -> None:
@@ -497,7 +499,7 @@ def test_boot_stops_the_previous_server_then_starts_the_saved_intent(tmp_path: P
     assert not w.host.called("boot_start")  # not while that server may hold port and GPUs
     w.send(PreviousServerStopped(PREVIOUS, []))
     assert w.host.called("boot_start") == [("a", None)]
-    assert w.m.history.entries()[0]["exit"]["reason"] == "requested_stop"
+    assert w.m.ledger.history.entries()[0]["exit"]["reason"] == "requested_stop"
     _boot_start(w)
     assert w.m.boot is None and w.m.state == S.WAITING_GPU
 

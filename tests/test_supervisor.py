@@ -219,7 +219,10 @@ async def test_max_failures_ends_in_failed(tmp_path: Path, fake_gpu: Path) -> No
         await sup.start("oom")
         await sup.wait_for_state(S.FAILED, timeout=30)
         assert sup.machine.failures == 2
-        assert sup.machine.last_exit is not None and sup.machine.last_exit["reason"] == "cuda_oom"
+        assert (
+            sup.machine.ledger.last_exit is not None
+            and sup.machine.ledger.last_exit["reason"] == "cuda_oom"
+        )
 
 
 # -- every reason, from the stand-in's real output --------------------------------------------------
@@ -321,7 +324,10 @@ async def test_each_reason_is_recognised_from_real_output(
         exit_event = await wait_event(sup, "exit", timeout=30)
         assert exit_event["reason"] == reason, exit_event
         assert evidence in exit_event["evidence"]
-        assert sup.machine.last_exit is not None and sup.machine.last_exit["reason"] == reason
+        assert (
+            sup.machine.ledger.last_exit is not None
+            and sup.machine.ledger.last_exit["reason"] == reason
+        )
 
 
 async def test_a_server_that_exits_within_its_first_slice_is_launched_then_ended(
