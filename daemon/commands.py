@@ -121,9 +121,8 @@ def stop(m: Machine, msg: StopRequested) -> dict[str, Any]:
     ):
         m.host.cancel_retry()
         m.host.cancel_gpu_wait()
-        m.transition(
-            ServerState.STOPPED, reason="requested_stop"
-        )  # FAILED|BACKOFF|WAITING_GPU -> STOPPED
+        # FAILED|BACKOFF|WAITING_GPU -> STOPPED
+        m.transition(ServerState.STOPPED, reason="requested_stop")
     elif m.state != ServerState.STOPPED and launch is not None:
         m.begin_stop(launch, Next.STOP)
     # The grace a waiting client bounds its wait by (SIGTERM, then SIGKILL after it).

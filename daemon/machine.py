@@ -374,9 +374,8 @@ class Machine:
         if swap is not None and swap.phase != SwapPhase.ROLLING_BACK:
             self.set_phase(swap, SwapPhase.WAITING_GPU)  # STOPPING -> WAITING_GPU
         if self.state != ServerState.WAITING_GPU:
-            self.transition(
-                ServerState.WAITING_GPU, config=cfg.name
-            )  # STOPPED|STOPPING|BACKOFF|FAILED ->
+            # STOPPED|STOPPING|BACKOFF|FAILED -> WAITING_GPU
+            self.transition(ServerState.WAITING_GPU, config=cfg.name)
         self.host.wait_for_gpus(self.launch)
 
     def on_gpu_wait_ended(self, msg: GpuWaitEnded) -> None:
@@ -432,9 +431,8 @@ class Machine:
             # Its secrets by keyed digest, never in clear: its log stays masked after the
             # config's secrets change (views.redactor_for).
             record["secrets"] = fingerprints(self.ledger.secret_salt, launch.redactor.secrets)
-        self.ledger.history.started(
-            record
-        )  # every launch is on record from its start; the exit fills in
+        # Every launch is on record from its start; the exit fills in
+        self.ledger.history.started(record)
         self.persist()
         if self.state == ServerState.STOPPING:  # stopped while it executed: it goes now
             self.event(
@@ -442,9 +440,8 @@ class Machine:
             )
             self._terminate(launch)
             return
-        self.transition(
-            ServerState.STARTING, pid=msg.server.pid, log_file=path
-        )  # WAITING_GPU -> STARTING
+        # WAITING_GPU -> STARTING
+        self.transition(ServerState.STARTING, pid=msg.server.pid, log_file=path)
         self.event("launch", pid=msg.server.pid, argv=launch.config.redacted_argv(), log_file=path)
         health = launch.config.config.health
         self.host.timer(health.startup_timeout_s, StartupTimedOut(launch.gen), launch)
@@ -539,9 +536,8 @@ class Machine:
         launch.ready_at, launch.ready_mono = self.clock.time(), self.clock.monotonic()
         self.host.end_tasks(launch)
         took = launch.ready_mono - (launch.started_mono or launch.ready_mono)
-        self.transition(
-            ServerState.READY, via=how, time_to_ready_s=round(took, 3)
-        )  # STARTING -> READY
+        # STARTING -> READY
+        self.transition(ServerState.READY, via=how, time_to_ready_s=round(took, 3))
         self.ledger.note_ready(launch.config.name, took)
         swap = launch.swap
         if swap is not None and swap.active and launch.rollback:
@@ -785,9 +781,8 @@ class Machine:
             self.settle_swap("failed", verdict.reason, verdict.evidence)
             self.persist()
             return
-        self.set_phase(
-            swap, SwapPhase.ROLLING_BACK
-        )  # STOPPING|WAITING_GPU|STARTING -> ROLLING_BACK
+        # STOPPING|WAITING_GPU|STARTING -> ROLLING_BACK
+        self.set_phase(swap, SwapPhase.ROLLING_BACK)
         self.rolled_back_from, self.rollbacks = failed, self.rollbacks + 1
         self.event(
             "rollback",
@@ -853,9 +848,8 @@ class Machine:
             self.boot = None
             if self.state == ServerState.STOPPED:
                 self.ledger.note_exit("internal_error", evidence)
-                self.transition(
-                    ServerState.FAILED, reason="internal_error", detail=evidence
-                )  # STOPPED -> FAILED
+                # STOPPED -> FAILED
+                self.transition(ServerState.FAILED, reason="internal_error", detail=evidence)
         elif (
             launch is not None
             and launch.running
@@ -873,6 +867,5 @@ class Machine:
         self.event("internal_error", message=message, error=evidence)
         launch = self.launch
         if self.state == ServerState.STOPPING and (launch is None or launch.exited):
-            self.transition(
-                ServerState.FAILED, reason="internal_error", detail=evidence
-            )  # STOPPING -> FAILED
+            # STOPPING -> FAILED
+            self.transition(ServerState.FAILED, reason="internal_error", detail=evidence)
