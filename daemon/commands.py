@@ -1,7 +1,7 @@
 """The commands' decisions: start, stop, restart or swap, shutdown, and a sweep's bracket.
 
 Each takes the machine and the request, refuses it (`CommandError`, by kind) or changes the
-machine through its own steps (`begin_attempt`, `begin_stop`, `settle_swap`), and answers.
+machine through its own steps (`begin_attempt`, `begin_stop`, `swaps`), and answers.
 "Stop wins": a stop refuses whatever was asked before it and is still on its way.
 """
 
@@ -19,7 +19,7 @@ from .messages import (
     SweepBegan,
     SweepEnded,
 )
-from .model import Next, Swap
+from .model import Next
 from .states import RUNNING_STATES, ServerState, SwapPhase
 
 if TYPE_CHECKING:
@@ -31,20 +31,6 @@ def cancelled_by_stop(m: Machine, ticket: int, what: str) -> None:
     if ticket and ticket < m.stop_ticket:
         raise CommandError(
             errors.CONFLICT, f"a stop was requested after this {what}; it was not carried out"
-        )
-
-
-def no_swap_under_way(m: Machine, sweep_id: str | None = None) -> None:
-    if m.active_sweep is not None and sweep_id != m.active_sweep:
-        raise CommandError(
-            errors.CONFLICT, f"sweep {m.active_sweep} is under way; cancel it, or stop"
-        )
-    swap = m.swap
-    if swap is not None and swap.active:
-        raise CommandError(
-            errors.CONFLICT,
-            f"swap {swap.id} ({swap.from_config} → {swap.to_config}) is under way "
-            f"({swap.phase}); wait for it, or stop",
         )
 
 
@@ -73,7 +59,7 @@ def start(m: Machine, msg: StartRequested) -> dict[str, Any]:
         during_boot(m, "start")
     cancelled_by_stop(m, msg.ticket, "start")
     if not msg.boot:  # a boot resumes an interrupted swap as that swap
-        no_swap_under_way(m)
+        m.swaps.refuse_if_under_way(m.active_sweep)
     if m.state in (ServerState.WAITING_GPU, *RUNNING_STATES):
         raise CommandError(
             errors.CONFLICT,
@@ -91,7 +77,7 @@ def start(m: Machine, msg: StartRequested) -> dict[str, Any]:
     cfg = msg.resolved
     if cfg is None:  # the facade reads it first; one that did not read comes refused above
         raise CommandError(errors.INVALID_CONFIG, f"config {msg.config!r} was not read")
-    swap = m.swap
+    swap = m.swaps.current
     if msg.boot and swap is not None and swap.rollback_to is None:
         # A resumed swap: what it rolls back to was read with the config it starts.
         rollback: ResolvedConfig | None = msg.last_good
@@ -113,8 +99,10 @@ def stop(m: Machine, msg: StopRequested) -> dict[str, Any]:
         m.boot.config = None
         if m.boot.stopping is None:
             m.boot = None
-    if m.swap is not None and m.swap.active:
-        m.settle_swap("failed", "requested_stop", "stopped on request during the swap")
+    if m.swaps.active() is not None:
+        m.swaps.settle(
+            "failed", "requested_stop", "stopped on request during the swap", m.intent_config
+        )
     launch = m.launch
     if m.state in (ServerState.FAILED, ServerState.BACKOFF) or (
         m.state == ServerState.WAITING_GPU and (launch is None or not launch.spawning)
@@ -132,7 +120,7 @@ def stop(m: Machine, msg: StopRequested) -> dict[str, Any]:
 def restart(m: Machine, msg: RestartRequested) -> dict[str, Any]:
     during_boot(m, "restart")
     cancelled_by_stop(m, msg.ticket, "restart")
-    no_swap_under_way(m, msg.sweep_id)
+    m.swaps.refuse_if_under_way(m.active_sweep, msg.sweep_id)
     cfg = msg.resolved
     if cfg is None:
         raise CommandError(errors.INVALID_CONFIG, f"config {msg.config!r} was not read")
@@ -148,22 +136,15 @@ def restart(m: Machine, msg: RestartRequested) -> dict[str, Any]:
         if m.may_be_last_good(serving):
             m.last_good_config, m.last_good_launch = serving.config.name, serving.launch_id
             m.event("probation_passed", detail="a swap began while it served")
-    last_good: ResolvedConfig | None = msg.last_good
-    if last_good is not None and last_good.name != m.last_good_config:
-        last_good = None
-    swap = Swap(
-        id=f"swap-{m.launch_seq + 1}-{int(m.clock.time())}",
-        from_config=current,
-        to_config=cfg.name,
-        is_swap=cfg.name != current,
-        rollback_name=serving.config.name if serving else m.last_good_config,
-        rollback_to=serving.config if serving else last_good,
+    swap = m.swaps.begin(
+        cfg,
+        current=current,
+        serving=serving,
+        last_good_config=m.last_good_config,
+        last_good=msg.last_good,
+        seq=m.launch_seq,
+        now=m.clock.time(),
     )
-    m.swap, m.rolled_back_from = swap, None
-    if swap.is_swap:
-        m.swaps += 1  # counted apart from restarts (a relaunch of the same config)
-    kind = "swap" if swap.is_swap else "restart"
-    m.event(kind, swap_id=swap.id, from_config=current, to_config=cfg.name)
     m.failures, m.crash_loop = 0, False
     m.set_intent(cfg.name, True)
     launch = m.launch

@@ -2,10 +2,10 @@
 
 `handle(msg)` decides on one message synchronously, dispatched by one explicit `match`: no
 awaits, processes, files or clocks of its own. `Machine` holds the lifecycle's fields and is
-their one writer (the state and a swap's phase only through `transition` and `set_phase`,
-checked against `states.py`'s tables); it composes a `Ledger` (`ledger.py`) of the records
-that decide nothing. What it decides
-leaves through the host (`host.py`), whose tasks post outcomes back; sites say `# FROM -> TO`.
+their one writer (the state only through `transition`, checked against `states.py`'s table).
+It composes two parts that own their fields: `Swaps` (`swaps.py`, a swap's phase, outcome and
+rollback) and a `Ledger` (`ledger.py`, the records that decide nothing). What it decides leaves
+through the host (`host.py`), whose tasks post outcomes back; sites say `# FROM -> TO`.
 
 A crash, read top to bottom: `ServerExited` (`# READY -> STOPPING`, host.sweep) → `SweepFinished`
 (classify, record, the restart policy: `# STOPPING -> BACKOFF`, host.retry_after) →
@@ -53,11 +53,12 @@ from .messages import (
     TaskFailed,
     WriteHealthChanged,
 )
-from .model import Boot, Launch, Next, Swap, utc_iso, utc_stamp
+from .model import Boot, Launch, Next, utc_iso, utc_stamp
 from .policy import NOT_RETRIED, Classification, backoff_delay, classify_exit
 from .redact import Redactor, fingerprints
 from .sglanglines import decode_metrics, strip_prefix
-from .states import RUNNING_STATES, ServerState, SwapPhase, check_phase, check_transition
+from .states import RUNNING_STATES, ServerState, check_transition
+from .swaps import Swaps
 
 if TYPE_CHECKING:
     import random
@@ -77,17 +78,13 @@ class Machine:
         self.gen = 0
         self.launch: Launch | None = None
         self.boot: Boot | None = None  # the daemon's start, under way (`on_boot_began`)
-        self.swap: Swap | None = None
         self.intent_config: str | None = None
         self.intent_running = False
         self.last_good_config: str | None = None
         self.last_good_launch: str | None = None
         self.last_failed_launch: str | None = None
-        self.rolled_back_from: str | None = None
         self.failures = 0
         self.restarts = 0  # relaunches of the same config: retries and requested restarts
-        self.swaps = 0  # swaps to another config, counted apart
-        self.rollbacks = 0
         self.crash_loop = False
         self.next_retry_at: float | None = None
         self.launch_seq = 0
@@ -98,6 +95,7 @@ class Machine:
         self.sweep_restore_to: str | None = None
         self.saving_again = False
         self.ledger = Ledger(clock, self.event)  # the records, which decide nothing
+        self.swaps = Swaps(self.event, host.swap_settled)  # a swap or restart under way
 
     def handle(self, msg: Message) -> Any:
         """Decide on one message. A command's answer is returned (a refusal raises
@@ -181,11 +179,6 @@ class Machine:
             self.next_retry_at = None
         self.event("state", **{"from": str(old), "to": str(new)}, **fields)
 
-    def set_phase(self, swap: Swap, new: SwapPhase) -> None:
-        if swap.phase != new:
-            check_phase(swap.phase, new)
-            swap.phase = new
-
     def event(self, kind: str, **fields: Any) -> None:
         """Record an event (events.jsonl, the API's listeners, the daemon's log)."""
         record: dict[str, Any] = {"ts": utc_iso(self.clock.time()), "event": kind}
@@ -225,41 +218,15 @@ class Machine:
             return None
         return launch if self.state in (ServerState.READY, ServerState.UNHEALTHY) else None
 
-    def settle_swap(self, outcome: str, reason: str | None, evidence: str | None) -> None:
-        swap = self.swap
-        if swap is None:
-            return
-        swap.outcome = {
-            "outcome": outcome,
-            "reason": reason,
-            "evidence": evidence,
-            "launch_ids": list(swap.launch_ids),
-            "swap_id": swap.id,
-            "config": self.intent_config,
-        }
-        self.set_phase(swap, SwapPhase.DONE)  # STOPPING|WAITING_GPU|STARTING|ROLLING_BACK -> DONE
-        self.host.swap_settled(swap.id, swap.outcome)
-        self.event("swap_settled", swap_id=swap.id, outcome=outcome, reason=reason)
-
     def count_relaunch(self) -> None:
         """A relaunch of the same config is a restart; a swap was counted when it was asked."""
-        if self.swap is None or not self.swap.is_swap:
+        swap = self.swaps.current
+        if swap is None or not swap.is_swap:
             self.restarts += 1
 
     def protected_logs(self) -> set[str]:
         current = self.launch.launch_id if self.launch else None
         return {x for x in (current, self.last_good_launch, self.last_failed_launch) if x}
-
-    def resume_swap(self, swap: Swap, phase: str | None) -> None:
-        self.swap = swap
-        self.event(
-            "swap_resumed",
-            swap_id=swap.id,
-            from_config=swap.from_config,
-            to_config=swap.to_config,
-            phase=phase,
-            detail="the daemon stopped during this swap; it goes on as the same swap",
-        )
 
     # -- records, kept by the ledger -------------------------------------------------------------
 
@@ -328,7 +295,7 @@ class Machine:
         record = data.get("swap")
         swap = saved.resumed_swap(record, name) if name else None
         if swap is not None:
-            self.resume_swap(swap, record.get("phase") if isinstance(record, dict) else None)
+            self.swaps.resume(swap, record.get("phase") if isinstance(record, dict) else None)
             self.boot.rollback = swap.rollback_name or self.last_good_config
         self.persist()  # the previous life's record, brought up to date, is saved now
         prev = msg.previous
@@ -368,11 +335,11 @@ class Machine:
 
     def begin_attempt(self, cfg: ResolvedConfig, rollback: bool = False) -> None:
         self.gen += 1
-        swap = self.swap if self.swap is not None and self.swap.active else None
+        swap = self.swaps.active()
         self.launch = Launch(gen=self.gen, config=cfg, swap=swap, rollback=rollback)
         self.ledger.reset_figures()  # each launch's own figures
-        if swap is not None and swap.phase != SwapPhase.ROLLING_BACK:
-            self.set_phase(swap, SwapPhase.WAITING_GPU)  # STOPPING -> WAITING_GPU
+        if swap is not None:
+            self.swaps.attempt_began(swap)
         if self.state != ServerState.WAITING_GPU:
             # STOPPED|STOPPING|BACKOFF|FAILED -> WAITING_GPU
             self.transition(ServerState.WAITING_GPU, config=cfg.name)
@@ -413,9 +380,7 @@ class Machine:
         launch.spawning, launch.child, launch.log = False, msg.server, msg.log
         self.ledger.note_write_health("launch_log", None)  # a new file: any gap is over
         if launch.swap is not None:
-            launch.swap.launch_ids.append(launch.launch_id)
-            if launch.swap.phase == SwapPhase.WAITING_GPU:
-                self.set_phase(launch.swap, SwapPhase.STARTING)  # WAITING_GPU -> STARTING
+            self.swaps.spawned(launch.swap, launch.launch_id)
         launch.started_at, launch.started_mono = self.clock.time(), self.clock.monotonic()
         path = str(msg.log.path)
         record: dict[str, object] = {
@@ -539,13 +504,8 @@ class Machine:
         # STARTING -> READY
         self.transition(ServerState.READY, via=how, time_to_ready_s=round(took, 3))
         self.ledger.note_ready(launch.config.name, took)
-        swap = launch.swap
-        if swap is not None and swap.active and launch.rollback:
-            self.settle_swap("rolled_back", swap.outcome_reason, swap.outcome_evidence)
-        elif swap is not None and swap.active:
-            self.settle_swap("ready", None, f"{launch.config.name} is ready")
         probation = self.settings.restart.probation_s
-        if swap is not None and swap.is_swap and not launch.rollback and probation > 0:
+        if self.swaps.ready(launch, self.intent_config, probation):
             # A swapped-in config becomes last-good only once it has stayed up.
             launch.on_probation = True
             self.host.timer(probation, ProbationOver(launch.gen), launch)
@@ -713,15 +673,10 @@ class Machine:
         if not recorded:
             self.ledger.record_exit(launch, verdict)
         self.ledger.count_exit(verdict.reason)
-        swap = launch.swap
-        first_start = swap is not None and swap.is_swap and swap.active and not launch.rollback
-        in_probation = launch.on_probation and launch.ready_mono is not None
-        if first_start or in_probation:
+        if self.swaps.rolls_back(launch):
             self._roll_back(launch, verdict)
             return
-        if swap is not None and swap.active:
-            # A plain restart, or the rollback itself, failed: the policy takes it from here.
-            self.settle_swap("failed", verdict.reason, verdict.evidence)
+        self.swaps.failed(launch, verdict, self.intent_config)
         policy = self.settings.restart
         self.failures += 1
         if launch.launch_id:
@@ -754,46 +709,16 @@ class Machine:
     def _roll_back(self, launch: Launch, verdict: Classification) -> None:
         """A swapped-in config failed its first start or its probation: back at once, no
         backoff, to the config that served when the swap began (else the last good one)."""
-        failed = launch.config.name
         if launch.launch_id:
             self.last_failed_launch = launch.launch_id
-        began = launch.swap
-        target_cfg = began.rollback_to if began is not None else None
-        target = (began.rollback_name if began is not None else None) or self.last_good_config
-        swap = began
-        if swap is None or swap.outcome is not None:  # its probation failed: a swap of its own
-            swap = Swap(
-                id=f"rollback-{self.launch_seq}",
-                from_config=failed,
-                to_config=target or failed,
-                is_swap=True,
-            )
-            self.swap = swap
-        swap.outcome = None
-        swap.outcome_reason, swap.outcome_evidence = verdict.reason, verdict.evidence
-        if not target or target == failed or target_cfg is None or target_cfg.name != target:
-            detail = (
-                f"swap to {failed} failed and there is no last good config"
-                if not target or target == failed
-                else f"swap to {failed} failed and its rollback config {target} does not load"
-            )
-            self.transition(ServerState.FAILED, reason=verdict.reason, detail=detail)  # -> FAILED
-            self.settle_swap("failed", verdict.reason, verdict.evidence)
+        target = self.swaps.roll_back(launch, verdict, self.last_good_config, self.launch_seq)
+        if isinstance(target, str):  # nothing to go back to
+            self.transition(ServerState.FAILED, reason=verdict.reason, detail=target)  # -> FAILED
+            self.swaps.settle("failed", verdict.reason, verdict.evidence, self.intent_config)
             self.persist()
             return
-        # STOPPING|WAITING_GPU|STARTING -> ROLLING_BACK
-        self.set_phase(swap, SwapPhase.ROLLING_BACK)
-        self.rolled_back_from, self.rollbacks = failed, self.rollbacks + 1
-        self.event(
-            "rollback",
-            swap_id=swap.id,
-            from_config=failed,
-            to_config=target,
-            reason=verdict.reason,
-            evidence=verdict.evidence,
-        )
-        self.set_intent(target, True)
-        self.begin_attempt(target_cfg, rollback=True)  # STOPPING|WAITING_GPU -> WAITING_GPU
+        self.set_intent(target.name, True)
+        self.begin_attempt(target, rollback=True)  # STOPPING|WAITING_GPU -> WAITING_GPU
 
     def on_backoff_elapsed(self, msg: BackoffElapsed) -> None:
         if self.current(msg.gen) is None or self.state != ServerState.BACKOFF:

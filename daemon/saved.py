@@ -70,7 +70,7 @@ def record(m: Any, boot_id: str) -> dict[str, Any]:
 
 
 def _swap_record(m: Any) -> dict[str, Any] | None:
-    swap = m.swap
+    swap = m.swaps.current
     if swap is None:
         return None
     launch = m.launch

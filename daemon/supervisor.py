@@ -167,7 +167,7 @@ class Supervisor:
         asked = (
             m.intent_config,
             m.intent_running,
-            m.swap.id if m.swap is not None else None,
+            m.swaps.current.id if m.swaps.current is not None else None,
             m.active_sweep,
         )
         if not now and m.state in RELAUNCH_STATES and not m.finished and asked == self._asked:
@@ -299,7 +299,7 @@ class Supervisor:
         def ended(_: Supervisor) -> bool:
             return (
                 m.last_good_launch == launch_id
-                or (m.swap is not None and m.swap.id != swap_id)
+                or (m.swaps.current is not None and m.swaps.current.id != swap_id)
                 or not m.intent_running
                 or m.finished
             )
@@ -310,8 +310,13 @@ class Supervisor:
             probation_s = self.settings.restart.probation_s
             evidence = f"{ready['config']} is ready and survived its probation ({probation_s:g} s)"
             return {**ready, "evidence": evidence}
-        if m.swap is not None and m.swap.id != swap_id and m.intent_running and not m.finished:
-            rollback = await asyncio.shield(self.host.settled(m.swap.id))
+        if (
+            m.swaps.current is not None
+            and m.swaps.current.id != swap_id
+            and m.intent_running
+            and not m.finished
+        ):
+            rollback = await asyncio.shield(self.host.settled(m.swaps.current.id))
             launch_ids = [*ready["launch_ids"], *rollback["launch_ids"]]
             return {**rollback, "swap_id": swap_id, "launch_ids": list(dict.fromkeys(launch_ids))}
         if m.finished:
@@ -332,7 +337,7 @@ class Supervisor:
 
         def ended(_: Supervisor) -> bool:
             exited = (m.ledger.last_exit or {}).get("launch_id") == launch_id
-            other = m.swap is not None and m.swap.id != swap_id
+            other = m.swaps.current is not None and m.swaps.current.id != swap_id
             return exited or other or not m.intent_running or m.finished
 
         async def watch() -> None:

@@ -79,7 +79,7 @@ class Snapshot:
 
 def take(m: Machine) -> Snapshot:
     launch = m.launch
-    swap = m.swap
+    swap = m.swaps.current
     running = launch is not None and launch.running
     return Snapshot(
         state=m.state,
@@ -103,11 +103,11 @@ def take(m: Machine) -> Snapshot:
         last_good_config=m.last_good_config,
         last_good_launch=m.last_good_launch,
         last_failed_launch=m.last_failed_launch,
-        rolled_back_from=m.rolled_back_from,
+        rolled_back_from=m.swaps.rolled_back_from,
         swap=MappingProxyType(swap.view()) if swap is not None and swap.active else None,
         restarts=m.restarts,
-        swaps=m.swaps,
-        rollbacks=m.rollbacks,
+        swaps=m.swaps.count,
+        rollbacks=m.swaps.rollbacks,
         failures=m.failures,
         crash_loop=m.crash_loop,
         next_retry_at=m.next_retry_at,

@@ -88,18 +88,6 @@ class RecordingHost:
         return [args for n, args in self.calls if n == name]
 
 
-class PhaseSpy(Machine):
-    """The machine, with each swap phase change it makes kept."""
-
-    phases: list[tuple[SwapPhase, SwapPhase]]
-
-    def set_phase(self, swap: Swap, new: SwapPhase) -> None:
-        old = swap.phase
-        super().set_phase(swap, new)
-        if old != new:
-            self.phases.append((old, new))
-
-
 class World:
     """A machine, its recording host, the configs it may run and a pid for each spawn."""
 
@@ -109,8 +97,18 @@ class World:
         self.host = RecordingHost()
         self.clock = FakeClock()
         self.root = root
-        self.m = PhaseSpy(make_settings(root, **settings), self.host, self.clock, random.Random(1))
-        self.m.phases = []
+        self.m = Machine(make_settings(root, **settings), self.host, self.clock, random.Random(1))
+        # Each swap phase change the machine makes, kept.
+        self.phases: list[tuple[SwapPhase, SwapPhase]] = []
+        set_phase = self.m.swaps.set_phase
+
+        def recording(swap: Swap, new: SwapPhase) -> None:
+            old = swap.phase
+            set_phase(swap, new)
+            if old != new:
+                self.phases.append((old, new))
+
+        self.m.swaps.set_phase = recording  # type: ignore[method-assign]
         self.pids = 1000
         self.ticket = 0
 
@@ -309,9 +307,9 @@ def _every_phase_edge(root: Path) -> set[tuple[SwapPhase, SwapPhase]]:
     w.exits(0)
     w.relaunch()
     w.ready()
-    assert w.m.swap is not None and w.m.swap.outcome is not None
-    assert w.m.swap.outcome["outcome"] == "ready"
-    seen |= set(w.m.phases)
+    assert w.m.swaps.current is not None and w.m.swaps.current.outcome is not None
+    assert w.m.swaps.current.outcome["outcome"] == "ready"
+    seen |= set(w.phases)
 
     w = world("first-start", **FAST)  # STARTING -> ROLLING_BACK -> DONE (rolled back)
     w.up()
@@ -322,29 +320,29 @@ def _every_phase_edge(root: Path) -> set[tuple[SwapPhase, SwapPhase]]:
     assert w.m.state == S.WAITING_GPU and w.launch.config.name == "a"
     w.relaunch()
     w.ready()
-    assert w.m.swap is not None and w.m.swap.outcome is not None
-    assert w.m.swap.outcome["outcome"] == "rolled_back"
-    seen |= set(w.m.phases)
+    assert w.m.swaps.current is not None and w.m.swaps.current.outcome is not None
+    assert w.m.swaps.current.outcome["outcome"] == "rolled_back"
+    seen |= set(w.phases)
 
     w = world("gpu-busy", **FAST)  # WAITING_GPU -> ROLLING_BACK
     w.up()
     w.restart("b")
     w.exits(0)
     w.send(GpuWaitEnded(w.launch.gen, False, "GPU 0 busy"))
-    seen |= set(w.m.phases)
+    seen |= set(w.phases)
 
     w = world("stop-waiting", **FAST)  # WAITING_GPU -> DONE: stopped in the new GPU wait
     w.up()
     w.restart("b")
     w.exits(0)
     w.stop()
-    seen |= set(w.m.phases)
+    seen |= set(w.phases)
 
     w = world("stop-stopping", **FAST)  # STOPPING -> DONE
     w.up()
     w.restart("b")
     w.stop()
-    seen |= set(w.m.phases)
+    seen |= set(w.phases)
 
     w = world(
         "probation", restart={"probation_s": 60}
@@ -356,9 +354,9 @@ def _every_phase_edge(root: Path) -> set[tuple[SwapPhase, SwapPhase]]:
     w.ready()
     assert w.launch.on_probation
     w.exits(1)
-    assert w.m.swap is not None and w.m.swap.phase == P.ROLLING_BACK
+    assert w.m.swaps.current is not None and w.m.swaps.current.phase == P.ROLLING_BACK
     assert w.m.intent_config == "a"
-    seen |= set(w.m.phases)
+    seen |= set(w.phases)
     return seen
 
 
@@ -433,7 +431,7 @@ async def test_a_sweep_step_for_the_config_already_ready_does_nothing(tmp_path: 
     w.up()
     reply = w.restart("a", ensure=True)
     assert reply["swap_id"] is None and w.m.state == S.READY
-    assert w.m.swap is None
+    assert w.m.swaps.current is None
 
 
 async def test_a_lost_retry_task_fails_the_attempt_instead_of_waiting_for_ever(
