@@ -11,11 +11,11 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from . import child as childmod
 from . import reading, saved
 from .errors import CommandError
 from .messages import StartRequested
 from .preflight import PreflightResult
+from .server import reaper
 
 if TYPE_CHECKING:
     from .configs import ResolvedConfig
@@ -43,7 +43,7 @@ async def restore(
             events.seq = max(events.seq, int(data.get("events_seq") or 0))
     if note:
         machine.event("state_file_corrupt", detail=note)
-    saved.restore(machine, data, childmod.is_alive)
+    saved.restore(machine, data, reaper.is_alive)
     swept = saved.interrupted_sweep(data)
     if swept is not None:
         # The sweep ended with that life: its config does not go on serving; the config the
@@ -79,13 +79,13 @@ async def stop_previous_life(
     if not record:
         return False
     pid = int(record.get("pid") or 0)
-    same_boot = record.get("boot_id") == childmod.boot_id()
+    same_boot = record.get("boot_id") == reaper.boot_id()
     create_time = record.get("create_time")
-    alive = same_boot and pid > 0 and childmod.is_alive(pid, create_time)
+    alive = same_boot and pid > 0 and reaper.is_alive(pid, create_time)
     launch_id = str(record.get("launch_id") or "")
     token = str(record.get("token") or "")
     leftovers = (
-        childmod.find_leftovers(token, record.get("pgid") if alive else None)
+        reaper.find_leftovers(token, record.get("pgid") if alive else None)
         if (same_boot and (token or alive))
         else []
     )
@@ -99,8 +99,8 @@ async def stop_previous_life(
     )
     pgid = int(record.get("pgid") or pid)
     if alive:
-        await childmod.stop_foreign(pid, create_time, pgid, grace_s)
-    killed = await childmod.kill_leftovers(childmod.find_leftovers(token, pgid))
+        await reaper.stop_foreign(pid, create_time, pgid, grace_s)
+    killed = await reaper.kill_leftovers(reaper.find_leftovers(token, pgid))
     machine.event(
         "previous_server_stopped", pid=pid, killed=[{"pid": k.pid, "name": k.name} for k in killed]
     )

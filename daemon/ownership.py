@@ -13,8 +13,8 @@ from typing import Any
 
 import psutil
 
-from . import child as childmod
 from .gpu import GpuInfo
+from .server import reaper
 
 KnownOurs = Mapping[tuple[int, float], str]
 
@@ -24,7 +24,7 @@ def launch_tree(main_pid: int) -> frozenset[tuple[int, float]]:
     reparented to this daemon (a subreaper runs one server at a time, so they are its)."""
     out: set[tuple[int, float]] = set()
     roots = [main_pid]
-    helpers = childmod.helper_pids()
+    helpers = reaper.helper_pids()
     with contextlib.suppress(psutil.Error):
         me = psutil.Process()
         roots += [c.pid for c in me.children() if c.pid != main_pid and c.pid not in helpers]
@@ -43,7 +43,7 @@ def ours(pid: int, known: KnownOurs, unresolved: bool) -> str | None:
     NVML's pids are of another namespace (`unresolved`), no holder is ours."""
     if unresolved:
         return None
-    ct = childmod.create_time_of(pid)
+    ct = reaper.create_time_of(pid)
     if ct is None:
         return None
     for (kpid, kct), launch_id in known.items():
@@ -68,14 +68,14 @@ async def kill_gpu_orphans(
             if p.pid == running:
                 continue
             launch_id = ours(p.pid, known, unresolved)
-            ct = childmod.create_time_of(p.pid)
+            ct = reaper.create_time_of(p.pid)
             if launch_id is not None and ct is not None:
                 targets.append(
-                    (childmod.Leftover(p.pid, ct, p.name, ""), g.index, p.used_mib, launch_id)
+                    (reaper.Leftover(p.pid, ct, p.name, ""), g.index, p.used_mib, launch_id)
                 )
     if not targets:
         return []
-    killed = await childmod.kill_leftovers([t[0] for t in targets])
+    killed = await reaper.kill_leftovers([t[0] for t in targets])
     return [
         {"pid": t[0].pid, "name": t[0].name, "gpu": t[1], "used_mib": t[2], "launch_id": t[3]}
         for t in targets

@@ -136,7 +136,7 @@ class ServerParsers:
             env=env,
             start_new_session=True,
         )
-        from .child import owned  # noqa: PLC0415
+        from .server.reaper import owned  # noqa: PLC0415
 
         with owned(proc.pid):
             try:

@@ -20,8 +20,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from . import child as childmod
 from .load import LoadSpec
+from .server import reaper
 
 MODULE = "sglang.benchmark.serving"
 
@@ -189,7 +189,7 @@ async def run_sglang_bench(
         return {**failed, "error": f"{argv[0]}: {exc.strerror or exc}"}
     finally:
         os.close(fd)
-    with childmod.owned(proc.pid):  # its exit is asyncio's to report, not the orphan reaper's
+    with reaper.owned(proc.pid):  # its exit is asyncio's to report, not the orphan reaper's
         try:
             code: int | None = await asyncio.wait_for(proc.wait(), limit)
         except TimeoutError:
