@@ -20,10 +20,10 @@ from collections.abc import Callable, Generator
 
 import uvicorn
 
-from gpuwarden.daemon import child as childmod
 from gpuwarden.daemon import logsetup
 from gpuwarden.daemon.gpu import make_backend
 from gpuwarden.daemon.notify import Webhooks
+from gpuwarden.daemon.server import reaper
 from gpuwarden.daemon.settings import Settings, SettingsError, load_settings
 from gpuwarden.daemon.supervisor import Supervisor
 from gpuwarden.daemon.systemd import Notifier
@@ -114,7 +114,7 @@ async def serve(settings: Settings, on_listening: Callable[[str, int], None] | N
         return 1
     bound_host, bound_port = sock.getsockname()[:2]
     raise_fd_limit()
-    subreaper = childmod.become_subreaper()
+    subreaper = reaper.become_subreaper()
     try:
         gpu = make_backend(settings.gpu.backend, fakegpu.dir_from_env())
     except Exception as exc:
@@ -144,7 +144,7 @@ async def serve(settings: Settings, on_listening: Callable[[str, int], None] | N
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGCHLD, childmod.OrphanReaper(loop))
+    loop.add_signal_handler(signal.SIGCHLD, reaper.OrphanReaper(loop))
     # A full disk or a file-size limit must not kill the daemon: with SIGXFSZ ignored, an
     # oversized write fails with EFBIG, which the log and state writers report and survive.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

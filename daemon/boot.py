@@ -11,12 +11,12 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from . import child as childmod
 from . import reading
 from .errors import CommandError
 from .messages import BootBegan, StartRequested
 from .model import PreviousServer
 from .preflight import Preflight, PreflightResult
+from .server import reaper
 from .store import secret_salt
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def _survey(
     for item in data.get("known_processes") or []:
         with contextlib.suppress(TypeError, ValueError, IndexError):
             pid, ct = int(item[0]), float(item[1])
-            if childmod.is_alive(pid, ct):
+            if reaper.is_alive(pid, ct):
                 alive_known.add((pid, ct))
     return _previous(data.get("current_launch") or None, boot_id), frozenset(alive_known)
 
@@ -61,8 +61,8 @@ def _previous(record: Any, boot_id: str) -> PreviousServer | None:
     except (TypeError, ValueError):
         return None
     token = str(record.get("token") or "")
-    alive = pid > 0 and childmod.is_alive(pid, create_time)
-    if not alive and not (token and childmod.find_leftovers(token)):
+    alive = pid > 0 and reaper.is_alive(pid, create_time)
+    if not alive and not (token and reaper.find_leftovers(token)):
         return None
     launch_id = str(record.get("launch_id") or "")
     return PreviousServer(pid, pgid, create_time, launch_id, token, alive)
@@ -72,9 +72,9 @@ async def stop_previous(prev: PreviousServer, grace_s: float) -> list[dict[str, 
     """SIGTERM to that server's group, SIGKILL after `grace_s`; then whatever of its launch is
     left. Returns the processes killed, as the event records them."""
     if prev.alive:
-        await childmod.stop_foreign(prev.pid, prev.create_time, prev.pgid, grace_s)
-    found = await asyncio.to_thread(childmod.find_leftovers, prev.token, prev.pgid)
-    killed = await childmod.kill_leftovers(found)
+        await reaper.stop_foreign(prev.pid, prev.create_time, prev.pgid, grace_s)
+    found = await asyncio.to_thread(reaper.find_leftovers, prev.token, prev.pgid)
+    killed = await reaper.kill_leftovers(found)
     return [{"pid": k.pid, "name": k.name} for k in killed]
 
 

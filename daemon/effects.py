@@ -49,6 +49,11 @@ class ServerHandle(Protocol):
         """Call `notify(returncode)` once the server has exited (at once if it has)."""
         ...
 
+    async def wait_started(self, timeout_s: float) -> None:
+        """Return at its first output or its exit, or after `timeout_s` (its first slice of CPU
+        before the launch's bookkeeping)."""
+        ...
+
     async def read_output(self, on_output: Callable[[bytes, int], None]) -> None:
         """Hand its output (chunks, with 1 or 2 for the stream) to `on_output` from now on."""
         ...

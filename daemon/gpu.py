@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 from gpuwarden.standin import fakegpu
 
-from . import child as childmod
 from .gpustate import GpuInfo, GpuProcess, GpuSnapshot
+from .server import reaper
 
 
 class GpuBackend(Protocol):
@@ -62,7 +62,7 @@ class FakeGpuBackend:
                     total_mib=g.total_mib,
                     utilization_pct=None,
                     processes=tuple(
-                        GpuProcess(h.pid, h.name, h.mib, childmod.create_time_of(h.pid))
+                        GpuProcess(h.pid, h.name, h.mib, reaper.create_time_of(h.pid))
                         for h in g.holders
                     ),
                 )

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 from gpuwarden.daemon import logsetup
 
 from . import boot, ownership
-from . import child as childmod
 from .clock import Clock
 from .configs import ConfigError, ConfigStore, redacted_header_lines
 from .gpu import GpuBackend
@@ -52,6 +51,7 @@ from .messages import (
     WriteHealthChanged,
 )
 from .model import utc_iso
+from .server import local, reaper
 from .settings import Settings
 from .sglanglines import Finding, ParsedLine
 from .store import EventLog, StateStore
@@ -112,7 +112,7 @@ class Host:
             view=view,
             sweep_deadline_s=SWEEP_DEADLINE_S,
         )
-        self.subreaper = childmod.is_subreaper()
+        self.subreaper = reaper.is_subreaper()
         self._retry_task: asyncio.Task[Any] | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
         self._events_error: str | None = None
@@ -254,7 +254,7 @@ class Host:
         cfg = launch.config
         try:
             env = cfg.process_env(self.base_env)
-            child: childmod.ChildProcess | Exception = childmod.start(
+            child: ServerHandle | Exception = local.start(
                 cfg.argv, env, launch.launch_id, token=launch.token
             )
         except Exception as exc:  # OSError from exec; anything else must not strand it
@@ -267,7 +267,7 @@ class Host:
         task.add_done_callback(lambda t: self._spawn_ended(t, launch.gen, child))
 
     def _spawn_ended(
-        self, task: asyncio.Task[Any], gen: int, child: childmod.ChildProcess | Exception
+        self, task: asyncio.Task[Any], gen: int, child: ServerHandle | Exception
     ) -> None:
         """The machine waits for the spawn's outcome. A spawn task cancelled gave none (it is
         cancelled before it posts or not at all), and one cancelled before its first step never
@@ -276,13 +276,13 @@ class Host:
             return
         # Its `_early` entry is still there only if the body's `finally` (which ends the
         # server it had not handed on) never ran.
-        if self._early.pop(gen, None) is not None and isinstance(child, childmod.ChildProcess):
+        if self._early.pop(gen, None) is not None and not isinstance(child, Exception):
             child.kill_group()
             child.close()
         self.post(TaskFailed("spawn", gen, "cancelled before the server was watched"))
 
     async def _spawn(
-        self, launch: Launch, header: list[str], child: childmod.ChildProcess | Exception
+        self, launch: Launch, header: list[str], child: ServerHandle | Exception
     ) -> None:
         cfg, gen = launch.config, launch.gen
         path = self.settings.log_dir / cfg.name / f"{launch.launch_id}.log"
@@ -321,12 +321,7 @@ class Host:
             # state save, probes): on a host with few cores that work otherwise keeps the
             # server waiting for a CPU as it starts. It ends early at the server's first output
             # or its exit (which then waits in `_early` no longer than that).
-            started: list[asyncio.Future[Any]] = [child.protocol.first_output, child.exited]
-            await asyncio.wait(
-                started,
-                timeout=FIRST_SLICE_S,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
+            await child.wait_started(FIRST_SLICE_S)
             # The machine hears of the process, then of what it printed, then of its exit.
             self.post(Spawned(gen, child, launch_log))
             posted = True
@@ -335,7 +330,7 @@ class Host:
             child.on_exit(lambda returncode: self.post(ServerExited(gen, returncode)))
             self.flush_records()  # what the relaunch held back, now that the server runs
         finally:
-            if not posted and isinstance(child, childmod.ChildProcess):
+            if not posted and not isinstance(child, Exception):
                 child.kill_group()  # no log, or the daemon is going: it must not run on unseen
                 child.close()
             for msg in self._early.pop(gen, []):
@@ -455,7 +450,7 @@ class Host:
         if child is None or not self.subreaper or not child.output_closed:
             return False
         try:
-            if not childmod.nothing_left(child.pgid):
+            if not reaper.nothing_left(child.pgid):
                 return False
             if self.gpus.gpus_answer_at_once and any(g.processes for g in self.gpu.snapshot().gpus):
                 return False
@@ -469,10 +464,10 @@ class Host:
         child = launch.child
         assert child is not None
         await child.wait_output_closed(PIPE_DRAIN_S)
-        killed: list[childmod.Leftover] = []
-        if not (self.subreaper and childmod.nothing_left(child.pgid)):
-            leftovers = await asyncio.to_thread(childmod.find_leftovers, launch.token, child.pgid)
-            killed = await childmod.kill_leftovers(leftovers)
+        killed: list[reaper.Leftover] = []
+        if not (self.subreaper and reaper.nothing_left(child.pgid)):
+            leftovers = await asyncio.to_thread(reaper.find_leftovers, launch.token, child.pgid)
+            killed = await reaper.kill_leftovers(leftovers)
         report = [{"pid": k.pid, "name": k.name, "cmdline": k.cmdline} for k in killed]
         # Holders of ours the tree walk could not reach (an earlier launch's orphans).
         snap = await self.gpus.gpu_snapshot()

@@ -12,9 +12,9 @@ import threading
 import time
 from typing import Any
 
-from gpuwarden.daemon import child as childmod
 from gpuwarden.daemon import logsetup
 from gpuwarden.daemon.gpustate import GpuInfo, GpuProcess, GpuSnapshot
+from gpuwarden.daemon.server import reaper
 
 log = logsetup.get_logger("gpuwarden.nvml")
 
@@ -56,7 +56,7 @@ class NvmlBackend:
                                 pid=int(p.pid),
                                 name=_process_name(int(p.pid)),
                                 used_mib=int(used // (1024 * 1024)) if used else 0,
-                                create_time=childmod.create_time_of(int(p.pid)),
+                                create_time=reaper.create_time_of(int(p.pid)),
                             )
                         )
                     uuid = nv.nvmlDeviceGetUUID(handle)

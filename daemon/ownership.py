@@ -12,8 +12,8 @@ from typing import Any
 
 import psutil
 
-from . import child as childmod
 from .gpustate import GpuInfo, KnownOurs, owner_of
+from .server import reaper
 
 
 def launch_tree(main_pid: int) -> frozenset[tuple[int, float]]:
@@ -21,7 +21,7 @@ def launch_tree(main_pid: int) -> frozenset[tuple[int, float]]:
     reparented to this daemon (a subreaper runs one server at a time, so they are its)."""
     out: set[tuple[int, float]] = set()
     roots = [main_pid]
-    helpers = childmod.helper_pids()
+    helpers = reaper.helper_pids()
     with contextlib.suppress(psutil.Error):
         me = psutil.Process()
         roots += [c.pid for c in me.children() if c.pid != main_pid and c.pid not in helpers]
@@ -52,11 +52,11 @@ async def kill_gpu_orphans(
                 continue
             launch_id = owner_of(p, known, unresolved)
             if launch_id is not None and p.create_time is not None:
-                leftover = childmod.Leftover(p.pid, p.create_time, p.name, "")
+                leftover = reaper.Leftover(p.pid, p.create_time, p.name, "")
                 targets.append((leftover, g.index, p.used_mib, launch_id))
     if not targets:
         return []
-    killed = await childmod.kill_leftovers([t[0] for t in targets])
+    killed = await reaper.kill_leftovers([t[0] for t in targets])
     return [
         {"pid": t[0].pid, "name": t[0].name, "gpu": t[1], "used_mib": t[2], "launch_id": t[3]}
         for t in targets

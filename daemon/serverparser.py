@@ -12,7 +12,6 @@ anything to it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ from gpuwarden.standin.argspec import (
 )
 
 from .configs import ResolvedConfig
+from .server.helpers import run_helper
 
 INTROSPECT_TIMEOUT_S = 120.0
 # Server interpreters run at once to learn options. Each SGLang one imports torch (about half a
@@ -128,32 +128,11 @@ class ServerParsers:
     async def _run_now(
         self, argv: list[str], timeout_s: float, env: dict[str, str]
     ) -> tuple[int, str, str]:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-        )
-        from .child import owned  # noqa: PLC0415
-
-        with owned(proc.pid):
-            try:
-                out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-            except TimeoutError:
-                await self._kill(proc)
-                return -1, "", f"no answer within {timeout_s:g} s"
-            except BaseException:  # cancelled (a stop, the daemon's shutdown): leave nothing
-                await asyncio.shield(self._kill(proc))
-                raise
-        return proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")
-
-    @staticmethod
-    async def _kill(proc: asyncio.subprocess.Process) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 9)
-        await proc.wait()
+        # Cancelled (a stop, the daemon's shutdown): its group is killed before this raises.
+        result = await run_helper(argv, env=env, timeout_s=timeout_s)
+        if result.timed_out:
+            return -1, "", f"no answer within {timeout_s:g} s"
+        return result.returncode, result.stdout, result.stderr
 
     async def parser_for(self, cfg: ResolvedConfig) -> tuple[ParserSpec | None, list[str]]:
         """The server's options, and warnings about how they were obtained.

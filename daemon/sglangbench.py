@@ -16,12 +16,11 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 from pathlib import Path
 from typing import Any
 
-from . import child as childmod
 from .load import LoadSpec
+from .server.helpers import run_helper
 
 MODULE = "sglang.benchmark.serving"
 
@@ -175,32 +174,15 @@ async def run_sglang_bench(
     except (BenchError, OSError) as exc:
         return {**failed, "error": str(exc)}
     limit = spec.timeout_s * (1 + (spec.warmup + spec.requests) / max(1, spec.concurrency))
+    # A sweep cancelled: the benchmark's group is killed before this raises.
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=fd,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-            cwd=output.parent,
-            start_new_session=True,
-        )
+        ran = await run_helper(argv, env=env, timeout_s=limit, cwd=output.parent, output_fd=fd)
     except OSError as exc:
         return {**failed, "error": f"{argv[0]}: {exc.strerror or exc}"}
     finally:
         os.close(fd)
-    with childmod.owned(proc.pid):  # its exit is asyncio's to report, not the orphan reaper's
-        try:
-            code: int | None = await asyncio.wait_for(proc.wait(), limit)
-        except TimeoutError:
-            code = None
-        finally:
-            if proc.returncode is None:  # timed out, or the sweep was cancelled
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(proc.wait())
-    if code is None:
+    code = ran.returncode
+    if ran.timed_out:
         return {**failed, "error": f"the benchmark ran past {limit:.0f} s (log: {log_path})"}
     if code != 0:
         tail = await asyncio.to_thread(_last_line, log_path)

@@ -17,7 +17,6 @@ from typing import Any
 from gpuwarden.daemon import logsetup
 
 from . import boot, errors, reading, saved, views
-from . import child as childmod
 from . import messages as msgs
 from .clock import Clock, SystemClock
 from .configs import ConfigStore
@@ -29,6 +28,7 @@ from .machine import Machine
 from .messages import Message, ShutdownRequested
 from .preflight import Preflight, PreflightResult
 from .redact import Redactor
+from .server import reaper
 from .settings import Settings
 from .states import HOLD_RECORDS_STATES, RELAUNCH_STATES, ServerState
 from .store import EventLog, StateStore
@@ -85,7 +85,7 @@ class Supervisor:
         self.event_listeners = self.host.event_listeners
         self._snapshot: views.Snapshot | None = None
         self._changed = asyncio.Condition()
-        self._boot_id = childmod.boot_id()
+        self._boot_id = reaper.boot_id()
         self._ticket = 0
         self._booted = False  # the previous life's record is in the machine
         self._shutdown_replies: list[asyncio.Future[Any]] = []

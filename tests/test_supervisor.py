@@ -20,12 +20,12 @@ import pytest
 import yaml
 
 from gpuwarden.daemon import views
-from gpuwarden.daemon.child import TOKEN_ENV
 from gpuwarden.daemon.gpu import FakeGpuBackend
 from gpuwarden.daemon.health import ProbeResult
 from gpuwarden.daemon.launchlog import RING_BYTES, RING_LINES
 from gpuwarden.daemon.policy import backoff_delay
 from gpuwarden.daemon.preflight import Preflight, PreflightResult
+from gpuwarden.daemon.server.reaper import TOKEN_ENV
 from gpuwarden.daemon.settings import Settings
 from gpuwarden.daemon.states import ServerState as S
 from gpuwarden.daemon.supervisor import Supervisor

@@ -1,13 +1,11 @@
-"""The only code that starts, signals or reaps processes.
+"""The local server's handle: the one process this daemon starts and watches as a server.
 
 * The server runs in its own session (so its group can be signalled without touching us),
   stdin closed, stdout and stderr on pipes read in chunks by the event loop.
 * Its exit is taken from the process itself (its pidfd, then waitpid), never from pipe EOF:
   a grandchild can hold the pipes open for ever.
-* Every launch carries ``GPUWARDEN_LAUNCH_ID`` in its environment. Descendants inherit it, so
-  whatever a launch left behind (even after ``setsid`` and a double fork) can be found by it.
-* The daemon is a child subreaper: orphans of its servers reparent to it, and `reap_orphans`
-  reaps them (only pids nobody else waits for: never ``waitpid(-1)``). Zombies count as dead.
+* It inherits only descriptors 0, 1 and 2, and the launch's id and token in its environment
+  (`reaper.LAUNCH_ENV`, `reaper.TOKEN_ENV`), by which whatever it leaves behind is found.
 """
 
 from __future__ import annotations
@@ -21,129 +19,19 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
-import psutil
+from . import reaper
 
-LAUNCH_ENV = "GPUWARDEN_LAUNCH_ID"  # for people: the launch id
-# For the sweep: a random token per launch. Launch ids are unique per daemon only, and two
-# daemons on one host may start launches in the same second.
-TOKEN_ENV = "GPUWARDEN_LAUNCH_TOKEN"
 F_SETPIPE_SZ = 1031
 PIPE_SIZE = 1 << 20
 READ_SIZE = 64 * 1024
-PR_SET_CHILD_SUBREAPER = 36
-PR_GET_CHILD_SUBREAPER = 37
-
-# Pids whose exit someone waits for (a server's pidfd, asyncio's child watcher for a helper):
-# the reaper must not take them.
-_OWNED: set[int] = set()
-
-
-@contextlib.contextmanager
-def owned(pid: int) -> Iterator[None]:
-    """Mark a helper child as ours while it runs: the reaper and the sweep leave it alone."""
-    _OWNED.add(pid)
-    try:
-        yield
-    finally:
-        _OWNED.discard(pid)
-
-
-def helper_pids() -> frozenset[int]:
-    """Children of ours that are helpers (an introspection, a benchmark), not a server."""
-    return frozenset(_OWNED)
-
-
-def boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def become_subreaper() -> bool:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def reap_orphans() -> list[int]:
-    """Reap zombie children that nobody else waits for (orphans that reparented to us).
-
-    The children are read from the main thread's /proc children list (a full /proc scan where
-    the kernel lacks it); a child that is not a zombie is left alone, one waited for
-    (`_OWNED`) too."""
-    reaped: list[int] = []
-    kids = _direct_children()
-    if -1 in kids:
-        try:
-            kids = {c.pid for c in psutil.Process().children()}
-        except psutil.Error:
-            return reaped
-    for pid in kids - _OWNED:
-        with contextlib.suppress(ChildProcessError, OSError, ValueError, IndexError):
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-            if state == b"Z":
-                done, _ = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    reaped.append(done)
-    return reaped
-
-
-class OrphanReaper:
-    """SIGCHLD's handler: reaps orphans a little later, once per burst of signals.
-
-    A SIGCHLD mostly announces our own server's exit, which its pidfd reports;
-    reaping orphans right then would put a walk of our children in front of that exit's
-    handling and the relaunch. They are zombies already: a few tens of milliseconds more costs
-    nothing."""
-
-    DELAY_S = 0.05
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._pending: asyncio.TimerHandle | None = None
-
-    def __call__(self) -> None:
-        if self._pending is None:
-            self._pending = self._loop.call_later(self.DELAY_S, self._reap)
-
-    def _reap(self) -> None:
-        self._pending = None
-        reap_orphans()
-
-    def cancel(self) -> None:
-        if self._pending is not None:
-            self._pending.cancel()
-            self._pending = None
-
-
-def is_alive(pid: int, create_time: float | None = None) -> bool:
-    """Running and not a zombie; with `create_time`, also the same process (no pid reuse)."""
-    try:
-        proc = psutil.Process(pid)
-        if create_time is not None and abs(proc.create_time() - create_time) > 0.05:
-            return False
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def create_time_of(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
 
 
 class _Protocol:
-    """The server's two output pipes and its exit, as one: what `ChildProcess` waits on."""
+    """The server's two output pipes and its exit, as one: what `LocalServer` waits on."""
 
     def __init__(self) -> None:
         loop = asyncio.get_running_loop()
@@ -192,14 +80,14 @@ class _Protocol:
                 returncode = _reap(pid, pidfd)  # it has exited: this does not block
             finally:
                 os.close(pidfd)
-                _OWNED.discard(pid)  # reaped: the pid is no longer ours
+                reaper.disown(pid)  # reaped: the pid is no longer ours
             self.process_exited(returncode)
 
         loop.add_reader(pidfd, readable)
 
     def _wait_thread(self, loop: asyncio.AbstractEventLoop, pid: int) -> None:
         returncode = _reap(pid)
-        _OWNED.discard(pid)
+        reaper.disown(pid)
         with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is exiting
             loop.call_soon_threadsafe(self.process_exited, returncode)
 
@@ -240,7 +128,9 @@ class _Pipe(asyncio.Protocol):
 
 
 @dataclass
-class ChildProcess:
+class LocalServer:
+    """A server this daemon started (`start`): an `effects.ServerHandle`."""
+
     pid: int
     create_time: float
     started_mono: float
@@ -304,6 +194,11 @@ class ChildProcess:
         except TimeoutError:
             return False
 
+    async def wait_started(self, timeout_s: float) -> None:
+        """Return at its first output or its exit, or after `timeout_s`."""
+        started: list[asyncio.Future[Any]] = [self.protocol.first_output, self.exited]
+        await asyncio.wait(started, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+
     async def read_output(self, on_output: Callable[[bytes, int], None]) -> None:
         """Hand the output to `on_output` (chunks, with 1 or 2 for the stream) from now on, and
         learn the process's create time."""
@@ -327,7 +222,7 @@ class ChildProcess:
             protocol.pipes.append(pipe)
         # Read off the loop: /proc/PID/stat answers only once the exec is through (a
         # millisecond or two of a Python server's), and the loop has other work meanwhile.
-        create_time = await asyncio.to_thread(create_time_of, self.pid)
+        create_time = await asyncio.to_thread(reaper.create_time_of, self.pid)
         self.create_time = create_time or time.time()
 
     def close(self) -> None:
@@ -403,7 +298,7 @@ def executable(name: str, env: dict[str, str]) -> str:
     raise FileNotFoundError(errno.ENOENT, "No such file or directory", name)
 
 
-def start(argv: list[str], env: dict[str, str], launch_id: str, *, token: str = "") -> ChildProcess:
+def start(argv: list[str], env: dict[str, str], launch_id: str, *, token: str = "") -> LocalServer:
     """Start `argv` (no shell) in a new session, stdin /dev/null, stdout and stderr on pipes;
     return at its exec. Raises OSError when it cannot be executed. Nothing of its output is
     read until `read_output`.
@@ -412,7 +307,7 @@ def start(argv: list[str], env: dict[str, str], launch_id: str, *, token: str = 
     thread, and the exit read from a pidfd on the loop: on the restart path nothing runs
     between the decision and the exec but this, and the exit reaches the owner in the turn the
     pidfd turns readable. The server inherits only the three descriptors it is given."""
-    full_env = {**env, LAUNCH_ENV: launch_id, TOKEN_ENV: token}
+    full_env = {**env, reaper.LAUNCH_ENV: launch_id, reaper.TOKEN_ENV: token}
     path = executable(argv[0], full_env)
     protocol = _Protocol()
     started = time.monotonic()
@@ -446,150 +341,17 @@ def start(argv: list[str], env: dict[str, str], launch_id: str, *, token: str = 
     finally:
         os.close(out_w)
         os.close(err_w)
-    _OWNED.add(pid)
+    reaper.own(pid)
     try:
         protocol.watch_exit(pid)
     except BaseException:  # nothing would read its exit: it must not run on unseen
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
-        _OWNED.discard(pid)  # the orphan reaper takes its exit status
+        reaper.disown(pid)  # the orphan reaper takes its exit status
         os.close(out_r)
         os.close(err_r)
         raise
     protocol.unread = [out_r, err_r]
-    return ChildProcess(
+    return LocalServer(
         pid=pid, create_time=0.0, started_mono=started, launch_id=launch_id, protocol=protocol
     )
-
-
-# -- finding and killing what a launch left behind ------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Leftover:
-    pid: int
-    create_time: float
-    name: str
-    cmdline: str
-
-
-def _environ_has(pid: int, marker: bytes) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return marker in f.read()
-    except OSError:
-        return False
-
-
-def _direct_children() -> set[int]:
-    """This process's children, from its main thread's /proc children list (no /proc scan).
-
-    The main thread's list holds them all: every process of ours is started from the loop's
-    thread (the other threads only read files and call NVML), and the kernel hands an orphan
-    to a subreaper's first live thread, the main one (kernel/exit.c, find_new_reaper)."""
-    try:
-        with open(f"/proc/self/task/{os.getpid()}/children") as f:
-            return {int(p) for p in f.read().split()}
-    except OSError:
-        return {-1}  # unknown: make the caller do the full scan
-
-
-def nothing_left(pgid: int | None) -> bool:
-    """Fast path: the launch's group is empty and we have no child that is not a helper.
-
-    Only meaningful in a subreaper, where every orphan of the server becomes our child."""
-    if pgid is not None:
-        try:
-            os.killpg(pgid, 0)
-            return False
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            return False
-    return not (_direct_children() - _OWNED)
-
-
-def is_subreaper() -> bool:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        flag = ctypes.c_int(0)
-        libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0)
-        return bool(flag.value)
-    except (OSError, AttributeError):
-        return False
-
-
-def find_leftovers(token: str, pgid: int | None = None) -> list[Leftover]:
-    """Live processes a launch left behind.
-
-    A process belongs to the launch when it is in the launch's process group, when it is a
-    descendant of this daemon that no other running child of ours accounts for (the daemon is
-    a subreaper and runs one server at a time, so orphans of the server, even after ``setsid``
-    and a double fork, reparent to it), or when it carries the launch id in its environment
-    (the fallback where the daemon is not a subreaper; ``setproctitle`` can overwrite the
-    environment, so it is not the primary rule).
-    """
-    marker = f"{TOKEN_ENV}={token}\0".encode() if token else None
-    me = os.getpid()
-    helpers: set[int] = set()
-    for pid in _OWNED:  # other children of ours still running (not this launch's main)
-        helpers.add(pid)
-        with contextlib.suppress(psutil.Error):
-            helpers.update(c.pid for c in psutil.Process(pid).children(recursive=True))
-    mine: set[int] = set()
-    with contextlib.suppress(psutil.Error):
-        mine = {c.pid for c in psutil.Process(me).children(recursive=True)} - helpers
-    found: list[Leftover] = []
-    for pid in psutil.pids():
-        if pid == me or pid in helpers:
-            continue
-        belongs = pid in mine
-        if not belongs and pgid is not None:
-            with contextlib.suppress(OSError):
-                belongs = os.getpgid(pid) == pgid
-        if not belongs and marker is not None:
-            belongs = _environ_has(pid, marker)
-        if not belongs:
-            continue
-        try:
-            proc = psutil.Process(pid)
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            found.append(
-                Leftover(pid, proc.create_time(), proc.name(), " ".join(proc.cmdline())[:200])
-            )
-        except psutil.Error:
-            continue
-    return found
-
-
-async def kill_leftovers(leftovers: list[Leftover], timeout_s: float = 5.0) -> list[Leftover]:
-    """SIGKILL each leftover (pid and create time must still match); wait until they are gone."""
-    killed = []
-    for item in leftovers:
-        if is_alive(item.pid, item.create_time):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(item.pid, signal.SIGKILL)
-                killed.append(item)
-    deadline = time.monotonic() + timeout_s
-    while killed and time.monotonic() < deadline:
-        reap_orphans()
-        if not any(is_alive(k.pid, k.create_time) for k in killed):
-            break
-        # Death after SIGKILL is not an event we can await for a process that is not our child.
-        await asyncio.sleep(0.005)
-    reap_orphans()
-    return killed
-
-
-async def stop_foreign(pid: int, create_time: float | None, pgid: int, grace_s: float) -> None:
-    """Stop a server group that is not our child (a previous life of the daemon left it):
-    SIGTERM to its main process, up to `grace_s` for it to go, then SIGKILL to the group."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    # Not our child: its death is no event we can await.
-    while time.monotonic() < deadline and is_alive(pid, create_time):  # noqa: ASYNC110
-        await asyncio.sleep(0.02)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)

@@ -1,4 +1,4 @@
-"""The server's process as `child.start` makes it: what it inherits, how its exit is read."""
+"""The server's process as `local.start` makes it: what it inherits, how its exit is read."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gpuwarden.daemon import child as childmod
+from gpuwarden.daemon.server import local, reaper
 
 from .conftest import PY
 
@@ -36,7 +36,7 @@ async def run(argv: list[str], env: dict[str, str]) -> tuple[int | None, bytes, 
     def on_output(data: bytes, fd: int) -> None:
         out[fd] += data
 
-    child = childmod.start(argv, env, "L-1", token="tok")
+    child = local.start(argv, env, "L-1", token="tok")
     try:
         await child.read_output(on_output)
         code = await asyncio.wait_for(asyncio.shield(child.exited), 30)
@@ -76,7 +76,7 @@ async def test_a_bare_command_is_found_in_the_servers_path_not_the_daemons(
     code, out, _ = await run(["gw-only-here", "x"], env)
     assert (code, out) == (0, b"found x\n")
     with pytest.raises(FileNotFoundError) as err:
-        childmod.start(["gw-only-here"], dict(os.environ), "L-2")
+        local.start(["gw-only-here"], dict(os.environ), "L-2")
     assert err.value.strerror == "No such file or directory"
 
 
@@ -86,7 +86,7 @@ async def test_a_command_on_path_without_the_right_to_run_it_is_permission_denie
     (tmp_path / "gw-not-runnable").write_text("#!/bin/sh\n")  # no x bit
     env = {**os.environ, "PATH": str(tmp_path)}
     with pytest.raises(PermissionError) as err:
-        childmod.start(["gw-not-runnable"], env, "L-6")
+        local.start(["gw-not-runnable"], env, "L-6")
     assert err.value.strerror == "Permission denied"
 
 
@@ -113,19 +113,19 @@ async def test_exit_codes_and_signals_are_read_from_the_process() -> None:
 
 
 async def test_a_child_closed_while_it_runs_is_killed_and_reaped() -> None:
-    child = childmod.start([PY, "-c", "import time; time.sleep(60)"], {}, "L-3")
+    child = local.start([PY, "-c", "import time; time.sleep(60)"], {}, "L-3")
     await child.read_output(lambda data, fd: None)
-    assert child.pid in childmod.helper_pids()  # the reaper leaves it to its pidfd
+    assert child.pid in reaper.helper_pids()  # the reaper leaves it to its pidfd
     child.close()
     assert await asyncio.wait_for(asyncio.shield(child.exited), 30) == -signal.SIGKILL
-    assert child.pid not in childmod.helper_pids()
+    assert child.pid not in reaper.helper_pids()
     with pytest.raises(ChildProcessError):
         os.waitpid(child.pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG; reaped: no zombie
 
 
 async def test_a_child_never_read_leaves_no_descriptor_open() -> None:
     before = set(os.listdir("/proc/self/fd"))
-    child = childmod.start([PY, "-c", "pass"], {}, "L-4")
+    child = local.start([PY, "-c", "pass"], {}, "L-4")
     await asyncio.wait_for(asyncio.shield(child.exited), 30)
     child.close()
     assert set(os.listdir("/proc/self/fd")) <= before
@@ -144,12 +144,30 @@ async def test_a_child_whose_exit_cannot_be_watched_is_killed_at_once(
         spawned.append(real_spawn(*args, **kwargs))
         return spawned[-1]
 
-    monkeypatch.setattr(childmod._Protocol, "watch_exit", no_watch)
+    monkeypatch.setattr(local._Protocol, "watch_exit", no_watch)
     monkeypatch.setattr(os, "posix_spawn", spawn)
     before = set(os.listdir("/proc/self/fd"))
     with pytest.raises(RuntimeError):
-        childmod.start([PY, "-c", "import time; time.sleep(60)"], {}, "L-5")
+        local.start([PY, "-c", "import time; time.sleep(60)"], {}, "L-5")
     assert set(os.listdir("/proc/self/fd")) <= before
-    assert spawned[0] not in childmod.helper_pids()  # left to the orphan reaper
+    assert spawned[0] not in reaper.helper_pids()  # left to the orphan reaper
     _, status = await asyncio.to_thread(os.waitpid, spawned[0], 0)
     assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL
+
+
+async def test_wait_started_returns_at_the_first_output_or_the_exit() -> None:
+    # Bounded far below its timeout: it returns at the event, not at the timeout's end.
+    talker = local.start(
+        [PY, "-c", "print('up', flush=True); import time; time.sleep(60)"], {}, "L-7"
+    )
+    silent = local.start([PY, "-c", "pass"], {}, "L-8")
+    try:
+        for child in (talker, silent):
+            await child.read_output(lambda data, fd: None)
+            await asyncio.wait_for(child.wait_started(600), 30)
+        assert talker.protocol.first_output.done() and not talker.exited.done()
+        assert silent.exited.done()
+    finally:
+        talker.close()
+        silent.close()
+    assert await asyncio.wait_for(asyncio.shield(talker.exited), 30) == -signal.SIGKILL
