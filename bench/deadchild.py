@@ -31,10 +31,10 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.core import Daemon, ts
-from tests.conftest import free_port
-from tests.daemon_harness import standin_config
 from tests.real import env as real_env
 from tests.real.conftest import sglang_config
+from tests.support.configs import standin_config
+from tests.support.procs import free_port
 
 
 def group_alive(pgid: int) -> bool:

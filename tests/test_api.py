@@ -9,23 +9,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import PY, Proc, free_port
-from .daemon_harness import Daemon, standin_config, start_daemon, until
-
-
-def two_configs(**extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    port = free_port()
-    configs = {"good": standin_config(port=port), "other": standin_config(port=port)}
-    for name, cfg in extra.items():
-        configs[name] = cfg
-        cfg["args"]["port"] = port
-    return configs
+from .support.configs import standin_config, two_configs
+from .support.daemon import Daemon, start_daemon, until
+from .support.procs import PY, Proc, wait_until
 
 
 def test_swap_to_a_good_config_becomes_last_good(
@@ -275,7 +266,6 @@ def test_slow_stream_reader_does_not_grow_the_daemon(
                 break
         d.wait_event("server.state", to="ready")
         log_file = Path(d.status()["log_file"])
-        from .conftest import wait_until  # noqa: PLC0415
 
         wait_until(lambda: b"flood done" in log_file.read_bytes()[-200:], 60, "the flood")
         rss1 = psutil.Process(d.proc.pid).memory_info().rss
@@ -368,8 +358,6 @@ def test_each_cli_command_against_a_live_daemon(
 def test_date_header_stays_current(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
     """uvicorn's tick runs once a second here: the Date header must still move with time."""
     from email.utils import parsedate_to_datetime  # noqa: PLC0415
-
-    from .conftest import wait_until  # noqa: PLC0415
 
     d = start_daemon(procs, tmp_path, fake_gpu, {})
 

@@ -9,8 +9,9 @@ from typing import Any
 
 import psutil
 
-from .conftest import PY, Proc, alive, wait_until
-from .daemon_harness import Daemon, standin_config, start_daemon
+from .support.configs import standin_config
+from .support.daemon import Daemon, start_daemon
+from .support.procs import PY, Proc, alive, wait_until
 
 # A server of the previous life that holds on through SIGTERM: stopping it takes all of the
 # stop's grace (SIGKILL after it), so the boot is slow for as long as that.

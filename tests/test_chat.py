@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import http.server
 import json
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,39 +22,10 @@ from gpuwarden.daemon.sglanglines import parse_line
 from gpuwarden.standin import cli as standin_cli
 from gpuwarden.standin.serverargs import server_args_repr
 
-from .conftest import Proc
-from .daemon_harness import Daemon, standin_config, start_daemon
-
-
-class Receiver:
-    """A webhook receiver on 127.0.0.1: records each post; can answer 500 or hang."""
-
-    def __init__(self, mode: str = "ok") -> None:
-        self.mode = mode
-        self.posts: list[dict[str, Any]] = []
-        self.release = threading.Event()
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                outer.posts.append(json.loads(body))
-                if outer.mode == "hang":
-                    outer.release.wait(30)
-                self.send_response(500 if outer.mode == "500" else 200)
-                self.end_headers()
-
-            def log_message(self, *a: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
+from .support.configs import standin_config
+from .support.daemon import Daemon, start_daemon
+from .support.http import Receiver
+from .support.procs import Proc
 
 
 @pytest.fixture

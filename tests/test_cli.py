@@ -16,8 +16,9 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from .conftest import PY, Proc, free_port, require_tool, wait_until
-from .daemon_harness import Daemon, standin_config, start_daemon
+from .support.configs import standin_config
+from .support.daemon import Daemon, start_daemon
+from .support.procs import PY, Proc, free_port, require_tool, wait_until
 
 
 def _env() -> dict[str, str]:

@@ -19,6 +19,8 @@ from gpuwarden.daemon.redact import argv_secrets
 from gpuwarden.daemon.settings import SettingsError, load_settings
 from gpuwarden.standin.argspec import OptionSpec, add_specs
 
+from .support.configs import BOMB
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -218,11 +220,6 @@ def test_bad_settings_are_clear_errors(tmp_path: Path) -> None:
         load_settings(path)
     with pytest.raises(SettingsError, match="no such file"):
         load_settings(tmp_path / "absent.yaml")
-
-
-BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
-    f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)
-)
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import psutil
 
-from .conftest import PY, Proc, alive, free_port, group_members, wait_until
-from .daemon_harness import standin_config, start_daemon
+from .support.configs import standin_config, write_setup
+from .support.daemon import serve, start_daemon
+from .support.procs import PY, Proc, alive, free_port, group_members, wait_until
 
 
 def test_boot_starts_the_default_config_and_status_shows_it(
@@ -220,27 +221,12 @@ def test_busy_port_for_the_daemon_exits_1_naming_it(
 ) -> None:
     import socket  # noqa: PLC0415
 
-    from .conftest import PY  # noqa: PLC0415
-    from .daemon_harness import write_setup  # noqa: PLC0415
-
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         path = write_setup(tmp_path, {}, None)
-        proc = Proc(
-            [
-                PY,
-                "-m",
-                "gpuwarden.api.cli",
-                "serve",
-                "--settings",
-                str(path),
-                "--listen",
-                f"127.0.0.1:{port}",
-            ]
-        )
-        procs.append(proc)
+        proc = serve(procs, path, fake_gpu, "--listen", f"127.0.0.1:{port}")
         assert proc.wait(20) == 1
         assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in proc.text("stderr")
 

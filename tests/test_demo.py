@@ -2,27 +2,23 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import httpx
 import yaml
 
-from gpuwarden.standin import fakegpu
-
-from .conftest import PY, Proc
-from .daemon_harness import Daemon
+from .support.daemon import Daemon, gpuwarden
+from .support.procs import Proc
 
 
 def test_demo_honours_gpuwarden_listen_prints_the_bound_address_and_a_free_server_port(
     procs: list[Proc], tmp_path: Path
 ) -> None:
-    env = {**os.environ, "GPUWARDEN_LISTEN": "127.0.0.1:0", "PYTHONUNBUFFERED": "1"}
-    env.pop(fakegpu.ENV_DIR, None)  # the demo makes its own
     root = tmp_path / "demo"
-    proc = Proc([PY, "-m", "gpuwarden.api.cli", "demo", "--dir", str(root)], env=env)
-    procs.append(proc)
+    env = {"GPUWARDEN_LISTEN": "127.0.0.1:0"}
+    # No fake GPU folder of the test's: the demo makes its own.
+    proc = gpuwarden(procs, "demo", "--dir", str(root), fake_gpu=None, env=env)
     d = Daemon(proc, root)  # the api.listening record: the address really bound
     printed = proc.wait_for(r"the daemon listens on (http://\S+);", timeout=30).group(1)
     assert printed == d.url and not printed.endswith(":0")

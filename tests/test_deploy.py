@@ -3,7 +3,6 @@ Dockerfile passes hadolint (anything it would report is explained and ignored in
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
@@ -19,8 +18,9 @@ import pytest
 from gpuwarden.daemon.configs import ConfigStore
 from gpuwarden.daemon.settings import load_settings
 
-from .conftest import PY, Proc, require_tool
-from .daemon_harness import write_setup
+from .support.configs import write_setup
+from .support.daemon import serve
+from .support.procs import Proc, require_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIT = ROOT / "systemd" / "gpuwarden.service"
@@ -144,14 +144,8 @@ def test_sd_notify_ready_status_watchdog_stopping(
     sock.bind(str(sock_path))
     sock.settimeout(20)
     settings = write_setup(tmp_path, {}, None)
-    env = {
-        **os.environ,
-        "NOTIFY_SOCKET": str(sock_path),
-        "WATCHDOG_USEC": "200000",
-        "GPUWARDEN_FAKE_GPU_DIR": str(fake_gpu),
-    }
-    proc = Proc([PY, "-m", "gpuwarden.api.cli", "serve", "--settings", str(settings)], env=env)
-    procs.append(proc)
+    env = {"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "200000"}
+    proc = serve(procs, settings, fake_gpu, env=env)
     got: list[str] = []
 
     def receive_until(token: str) -> None:

@@ -12,7 +12,8 @@ import pytest
 
 from gpuwarden.standin import fakegpu
 
-from .conftest import PY, Proc
+from .support.gpu import start_holder
+from .support.procs import PY, Proc
 
 
 class FakeClock:
@@ -21,27 +22,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def start_holder(procs: list[Proc], root: Path, gpu: int, mib: int) -> Proc:
-    proc = Proc(
-        [
-            PY,
-            "-m",
-            "gpuwarden.api.cli",
-            "fake-gpu",
-            "hold",
-            "--gpu",
-            str(gpu),
-            "--mib",
-            str(mib),
-            "--dir",
-            str(root),
-        ]
-    )
-    procs.append(proc)
-    proc.wait_for(rf"holds {mib} MiB on fake GPU {gpu}")
-    return proc
 
 
 def test_hold_is_counted_until_killed(procs: list[Proc], fake_gpu: Path) -> None:

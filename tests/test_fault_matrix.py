@@ -41,17 +41,22 @@ import psutil
 import pytest
 import yaml
 
-from .conftest import PY, Proc, alive, free_port, wait_until
-from .daemon_harness import Daemon, standin_config, start_daemon, write_setup
-from .test_guard import (
+from .support.configs import BOMB, standin_config, two_configs, write_setup
+from .support.daemon import Daemon, serve, start_daemon
+from .support.gpu import start_holder
+from .support.http import (
     TOKEN,
+    Receiver,
     connect,
     descriptors_short,
     read_response,
     request_head,
     send_chunks_until_answered,
+    stalled_stream,
+    streams,
     with_token,
 )
+from .support.procs import PY, Proc, alive, free_port, wait_until
 
 ROWS: list[tuple[str, list[str], dict[str, Any], str, str]] = [
     # id, flags, config fields, reason, a line the log file must keep
@@ -291,7 +296,6 @@ def test_stand_in_fault(
         restart={"initial_delay_s": 0.05, "max_failures": 3},
         **(abuse.settings(tmp_path) if abuse else {}),
     )
-    from .test_logstreams import stalled_stream, streams  # noqa: PLC0415
 
     clients = [stalled_stream(d.url) for _ in range(STALLED.get(row, 0))]
     with abuse.during(d) if abuse else contextlib.nullcontext():
@@ -318,21 +322,14 @@ def test_port_in_use(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
 def test_disk_full_leaves_supervision_running(
     procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
-    from .daemon_harness import write_setup  # noqa: PLC0415
-
     flood = standin_config("--standin-flood=200000", health={"interval_s": 600})
     path = write_setup(tmp_path, {"f": flood}, "f")
     limit = 4 * 1024 * 1024  # a file-size limit: writes past 4 MiB fail with EFBIG
-    import os  # noqa: PLC0415
-
-    env = {**os.environ, "GPUWARDEN_FAKE_GPU_DIR": str(fake_gpu), "PYTHONUNBUFFERED": "1"}
-    proc = Proc([PY, "-m", "gpuwarden.api.cli", "serve", "--settings", str(path)], env=env)
-    procs.append(proc)
+    proc = serve(procs, path, fake_gpu)
     resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (limit, limit))  # the daemon's "disk"
     d = Daemon(proc, tmp_path)
     d.wait_state("ready")
     log_file = Path(d.status()["log_file"])
-    from .conftest import wait_until  # noqa: PLC0415
 
     wait_until(lambda: log_file.stat().st_size >= limit - 200, 30, "the log to reach the limit")
     st = d.status()  # the daemon is alive and answering
@@ -344,8 +341,6 @@ def test_disk_full_leaves_supervision_running(
 def test_a_sweep_survives_a_crashing_and_a_refused_config(
     procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
-    from .conftest import free_port  # noqa: PLC0415
-
     port = free_port()
     cfgs = {
         "f": standin_config(port=port),
@@ -385,8 +380,6 @@ def has_exit(reason: str) -> Callable[[list[dict[str, Any]]], bool]:
 
 
 def test_foreign_gpu_holder(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
-    from .test_fakegpu import start_holder  # noqa: PLC0415
-
     holder = start_holder(procs, fake_gpu, 0, 50000)
     d = start_daemon(
         procs,
@@ -497,8 +490,6 @@ def test_daemon_sigkill_then_restart_stops_the_old_group_and_resumes(
 
 
 def test_concurrent_swaps_and_a_stop(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:
-    from .test_api import two_configs  # noqa: PLC0415
-
     configs = two_configs(slow=standin_config(scale=0.5))
     d = start_daemon(procs, tmp_path, fake_gpu, configs, default="good")
     d.wait_state("ready")
@@ -528,8 +519,6 @@ def test_concurrent_swaps_and_a_stop(procs: list[Proc], tmp_path: Path, fake_gpu
 def test_a_bad_webhook_never_delays_the_relaunch(
     procs: list[Proc], tmp_path: Path, fake_gpu: Path, mode: str
 ) -> None:
-    from .test_chat import Receiver  # noqa: PLC0415
-
     receiver = Receiver(mode)
     try:
         cfg = standin_config("--standin-crash-after=0.1")
@@ -630,8 +619,6 @@ def test_an_undecodable_config_at_boot_is_a_failed_start_with_an_event(
 def test_an_alias_bomb_is_refused_while_the_daemon_stays_responsive(
     procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
-    from .test_configs import BOMB  # noqa: PLC0415
-
     d = start_daemon(procs, tmp_path, fake_gpu, {"f": standin_config()}, default="f")
     d.wait_state("ready")
     (tmp_path / "configs" / "bomb.yaml").write_text(BOMB)
@@ -702,7 +689,6 @@ def test_stop_wins_over_restarts_whose_preflight_finishes_after_it(
 ) -> None:
     """20 concurrent swaps, then a stop while their preflights still run: none of them starts a
     server after the stop. A start sent after the stop works as usual."""
-    from .test_api import two_configs  # noqa: PLC0415
 
     d = start_daemon(procs, tmp_path, fake_gpu, two_configs(), default="good")
     d.wait_state("ready")
@@ -742,8 +728,6 @@ def test_stop_wins_over_restarts_whose_preflight_finishes_after_it(
 def test_a_daemon_killed_mid_swap_resumes_it_as_a_swap(
     procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
-    from .test_api import two_configs  # noqa: PLC0415
-
     configs = two_configs(slow=standin_config(scale=0.3))
     d = start_daemon(
         procs, tmp_path, fake_gpu, configs, default="good", restart={"probation_s": 600}

@@ -3,7 +3,6 @@ NVML errors survived."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 from pathlib import Path
@@ -12,8 +11,10 @@ from typing import Any
 from gpuwarden.daemon.gpu import render_gpu_table
 from gpuwarden.daemon.nvml import NvmlBackend
 
-from .conftest import Proc, alive, wait_until
-from .daemon_harness import standin_config, start_daemon
+from .support.configs import standin_config
+from .support.daemon import start_daemon
+from .support.procs import Proc, alive, wait_until
+from .support.supervisor import running
 
 
 def test_our_orphan_from_a_previous_life_is_killed_before_the_launch(
@@ -137,21 +138,12 @@ def test_an_nvml_error_keeps_the_last_snapshot_marked_stale() -> None:
 
 async def test_the_supervisor_survives_nvml_errors(tmp_path: Path, fake_gpu: Path) -> None:
     from gpuwarden.daemon.states import ServerState as S  # noqa: PLC0415
-    from gpuwarden.daemon.supervisor import Supervisor  # noqa: PLC0415
-
-    from .test_supervisor import make_settings, write_configs  # noqa: PLC0415
 
     stub = StubNvml()
-    write_configs(tmp_path, {"c": standin_config()})
-    sup = Supervisor(make_settings(tmp_path), NvmlBackend(module=stub))
-    task = asyncio.create_task(sup.run())
-    try:
+    async with running(tmp_path, NvmlBackend(module=stub), {"c": standin_config()}) as sup:
         await sup.start("c")
         await sup.wait_for_state(S.READY, timeout=20)
         stub.fail = True
         await sup.wait_for(lambda s: s.status()["gpu_error"] == "NVML: Unknown Error", 10)
         assert sup.machine.state == S.READY
         assert sup.status()["gpus"][0]["uuid"] == "GPU-1234"
-    finally:
-        await sup.shutdown()
-        await task

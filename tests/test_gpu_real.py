@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from .conftest import Proc, free_port, wait_until
-from .daemon_harness import start_daemon
+from .support.daemon import start_daemon, until
+from .support.procs import Proc, free_port, wait_until
 
 if TYPE_CHECKING:
     from gpuwarden.daemon.nvml import NvmlBackend
@@ -109,7 +109,6 @@ def test_daemon_waits_for_the_memory_and_relaunches_after_a_crash(
         for r in d.records()[t_exit["_index"] : second["_index"]]
         if r.get("event") == "server.gpu_wait"
     ]
-    from .daemon_harness import until  # noqa: PLC0415
 
     until(
         lambda: (

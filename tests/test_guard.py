@@ -7,62 +7,29 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from gpuwarden.daemon.settings import Settings
 
-from .conftest import Proc, wait_until
-from .daemon_harness import Daemon, standin_config, start_daemon
-from .test_api import two_configs
-
-TOKEN = "s3cret-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def addr(d: Daemon) -> tuple[str, int]:
-    parts = urlsplit(d.url)
-    return "127.0.0.1", int(parts.port or 80)
-
-
-def connect(d: Daemon, timeout: float = 10) -> socket.socket:
-    sock = socket.create_connection(addr(d), timeout=timeout)
-    sock.settimeout(timeout)
-    return sock
-
-
-def request_head(method: str, path: str, d: Daemon, **headers: str) -> bytes:
-    host, port = addr(d)
-    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}"]
-    lines += [f"{k.replace('_', '-')}: {v}" for k, v in headers.items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
-
-
-def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    """One response: status, headers (lower-case names), body (by content-length)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise AssertionError(f"closed before a whole response head: {data!r}")
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    status_line, *header_lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}
-    length = int(headers.get("content-length", "0"))
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    return int(status_line.split()[1]), headers, body[:length]
+from .support.configs import standin_config, two_configs
+from .support.daemon import Daemon, start_daemon
+from .support.http import (
+    AUTH,
+    TOKEN,
+    addr,
+    connect,
+    descriptors_short,
+    read_response,
+    request_head,
+    send_chunks_until_answered,
+    with_token,
+)
+from .support.procs import Proc, wait_until
 
 
 def closed_by_server(sock: socket.socket) -> bytes:
@@ -83,11 +50,6 @@ def error_of(body: bytes) -> str:
     parsed = json.loads(body)
     assert set(parsed) >= {"error", "detail"}, parsed
     return str(parsed["error"])
-
-
-def with_token(root: Path) -> str:
-    (root / "token").write_text(TOKEN + "\n")
-    return "./token"
 
 
 # 7. Browsers on the host
@@ -255,25 +217,6 @@ def test_auth_is_checked_before_the_body_is_read(
         assert status == 413 and error_of(body) == "body_too_large"
 
 
-def send_chunks_until_answered(sock: socket.socket, limit: int) -> tuple[int, bytes]:
-    """Stream 16 KiB chunks (up to 4x the limit) until the daemon answers; then its answer."""
-    chunk = b"4000\r\n" + b"x" * 0x4000 + b"\r\n"
-    sock.settimeout(0.05)
-    for _ in range(4 * limit // 0x4000):
-        try:
-            sock.sendall(chunk)
-        except (BrokenPipeError, ConnectionResetError):
-            break
-        try:
-            if sock.recv(1, socket.MSG_PEEK):
-                break
-        except TimeoutError:
-            continue
-    sock.settimeout(10)
-    status, _, body = read_response(sock)
-    return status, body
-
-
 def test_a_chunked_body_past_the_limit_gets_413(
     procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
@@ -315,19 +258,6 @@ def served_once(d: Daemon) -> bool:
     with connect(d) as sock:
         sock.sendall(request_head("GET", "/healthz", d))
         return read_response(sock)[0] == 200
-
-
-@contextlib.contextmanager
-def descriptors_short(d: Daemon, spare: int) -> Iterator[None]:
-    """The daemon's descriptor limit set just above what it holds now."""
-    pid = d.proc.pid
-    before = resource.prlimit(pid, resource.RLIMIT_NOFILE)
-    held = len(os.listdir(f"/proc/{pid}/fd"))
-    resource.prlimit(pid, resource.RLIMIT_NOFILE, (held + spare, before[1]))
-    try:
-        yield
-    finally:
-        resource.prlimit(pid, resource.RLIMIT_NOFILE, before)
 
 
 def flood(d: Daemon, n: int) -> contextlib.ExitStack:

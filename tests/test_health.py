@@ -9,7 +9,7 @@ import pytest
 
 from gpuwarden.daemon.health import HttpProber
 
-from .conftest import free_port
+from .support.procs import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

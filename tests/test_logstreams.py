@@ -12,8 +12,10 @@ from typing import Any
 
 import httpx
 
-from .conftest import PY, Proc, wait_until
-from .daemon_harness import Daemon, standin_config, start_daemon
+from .support.configs import standin_config
+from .support.daemon import start_daemon
+from .support.http import stalled_stream, streams
+from .support.procs import PY, Proc, wait_until
 
 # A server that floods numbered lines: it says it is ready, waits for GO, then writes until
 # STOP exists (or LIMIT lines), about 200k lines/s, and ends with "flood done: N lines".
@@ -47,24 +49,6 @@ def flood_config(go: Path, stop: Path | None, limit: int = 20_000_000) -> dict[s
     }
 
 
-def stalled_stream(url: str, query: str = "") -> socket.socket:
-    """A raw client: asks for /logs/stream, reads the response head, then never reads again
-    (a tiny receive buffer, so its socket fills at once)."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.settimeout(30)
-    sock.connect((host, int(port)))
-    sock.sendall(f"GET /logs/stream{query} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(1)
-        assert chunk, f"the daemon closed /logs/stream at once: {head!r}"
-        head += chunk
-    assert head.startswith(b"HTTP/1.1 200 "), head
-    return sock
-
-
 class SlowReader:
     """An SSE client over a socket with a tiny receive buffer: it reads only when told."""
 
@@ -93,11 +77,6 @@ class SlowReader:
 
     def close(self) -> None:
         self.conn.close()
-
-
-def streams(d: Daemon) -> int:
-    n: int = d.status()["log_streams"]
-    return n
 
 
 def flood_lines(path: Path) -> list[int]:

@@ -48,7 +48,8 @@ from gpuwarden.daemon.states import (
     check_transition,
 )
 
-from .test_supervisor import FakeClock, make_settings, write_configs
+from .support.configs import make_settings, write_configs
+from .support.supervisor import FakeClock
 
 S = ServerState
 P = SwapPhase

@@ -14,8 +14,9 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import Proc, free_port, require_tool
-from .daemon_harness import Daemon, standin_config, start_daemon, until
+from .support.configs import standin_config
+from .support.daemon import Daemon, start_daemon, until
+from .support.procs import Proc, free_port, require_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "monitoring"

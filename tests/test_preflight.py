@@ -16,8 +16,8 @@ from gpuwarden.daemon.configs import SGLANG_DEFAULT_PORT, ConfigStore
 from gpuwarden.daemon.preflight import Preflight, check_port
 from gpuwarden.daemon.serverparser import ServerParsers
 
-from .conftest import Proc, alive, wait_until
-from .daemon_harness import start_daemon
+from .support.daemon import start_daemon
+from .support.procs import Proc, alive, wait_until
 
 PY = sys.executable
 

@@ -25,9 +25,10 @@ from gpuwarden.daemon.redact import (
 )
 from gpuwarden.standin.argspec import OptionSpec, add_specs
 
-from .conftest import PY, Proc
-from .daemon_harness import Daemon, standin_config, start_daemon
-from .test_chat import Receiver
+from .support.configs import standin_config
+from .support.daemon import Daemon, start_daemon
+from .support.http import Receiver
+from .support.procs import PY, Proc
 
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG = ["python", "-m", "sglang.launch_server"]

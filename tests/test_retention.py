@@ -9,8 +9,9 @@ from pathlib import Path
 
 from gpuwarden.daemon.store import EventLog
 
-from .conftest import Proc
-from .daemon_harness import standin_config, start_daemon
+from .support.configs import standin_config
+from .support.daemon import start_daemon
+from .support.procs import Proc
 
 
 def seqs(path: Path) -> list[int]:

@@ -12,8 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .conftest import Proc
-from .daemon_harness import standin_config, start_daemon
+from .support.configs import standin_config
+from .support.daemon import start_daemon
+from .support.procs import Proc
 
 
 def test_api_conforms_to_its_own_openapi(procs: list[Proc], tmp_path: Path, fake_gpu: Path) -> None:

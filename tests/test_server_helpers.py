@@ -14,7 +14,7 @@ import pytest
 
 from gpuwarden.daemon.server import helpers, reaper
 
-from .conftest import PY, alive, group_members, wait_until
+from .support.procs import PY, alive, group_members, wait_until
 
 # Forks a grandchild that sleeps, in the helper's group or ("escape") in a session of its own;
 # writes "MAIN GRANDCHILD" to the file named by argv[1] once the grandchild is set; then sleeps

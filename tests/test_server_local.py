@@ -13,7 +13,7 @@ import pytest
 
 from gpuwarden.daemon.server import local, reaper
 
-from .conftest import PY
+from .support.procs import PY
 
 # Prints what the server was given: its descriptors, its session, its stdin, two variables.
 INTROSPECT = """

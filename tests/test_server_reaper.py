@@ -14,7 +14,7 @@ import psutil
 
 from gpuwarden.daemon.server import reaper
 
-from .conftest import PY, Proc, alive, wait_until
+from .support.procs import PY, Proc, alive, wait_until
 
 SLEEP = [PY, "-c", "import time; time.sleep(600)"]
 

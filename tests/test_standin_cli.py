@@ -11,7 +11,7 @@ import pytest
 from gpuwarden.standin.argspec import option_strings, parse_help
 from gpuwarden.standin.versions import VERSIONS
 
-from .conftest import PY, Proc
+from .support.procs import PY, Proc
 
 # SGLang 0.5.23's own --help, kept in the repository (the project reads nothing outside it).
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "sglang-0.5.23-help.txt"

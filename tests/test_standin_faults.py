@@ -18,7 +18,8 @@ import pytest
 from gpuwarden.standin import fakegpu
 from gpuwarden.standin.specmodel import DecodeModel, SpecParams
 
-from .conftest import Proc, alive, free_port, wait_until
+from .support.gpu import start_holder
+from .support.procs import Proc, alive, free_port, wait_until
 
 
 def url(proc: Proc, path: str) -> str:
@@ -57,8 +58,6 @@ def test_crash_during_load_goes_through_sigquit_to_minus_9(
 def test_a_busy_fake_gpu_makes_the_load_oom(
     standin: Callable[..., Proc], procs: list[Proc], fake_gpu: Path
 ) -> None:
-    from .test_fakegpu import start_holder  # noqa: PLC0415
-
     start_holder(procs, fake_gpu, 0, 120000)
     proc: Proc = standin()
     proc.wait_for(r"Load weight begin\. avail mem=2[0-3]\.\d\d GB")

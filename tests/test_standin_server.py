@@ -14,7 +14,7 @@ import pytest
 
 from gpuwarden.standin import fakegpu
 
-from .conftest import Proc, alive, wait_until
+from .support.procs import Proc, alive, wait_until
 
 STARTUP_ORDER = [
     r"server_args=ServerArgs\(model_path='/models/fake'",

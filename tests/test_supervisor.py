@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import json
 import random
 import signal
 import socket
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-import yaml
 
 from gpuwarden.daemon import views
 from gpuwarden.daemon.gpu import FakeGpuBackend
@@ -26,40 +22,13 @@ from gpuwarden.daemon.launchlog import RING_BYTES, RING_LINES
 from gpuwarden.daemon.policy import backoff_delay
 from gpuwarden.daemon.preflight import Preflight, PreflightResult
 from gpuwarden.daemon.server.reaper import TOKEN_ENV
-from gpuwarden.daemon.settings import Settings
 from gpuwarden.daemon.states import ServerState as S
 from gpuwarden.daemon.supervisor import Supervisor
 
-from .conftest import Proc, alive
-from .daemon_harness import FAST_RESTART, standin_config
-
-
-class FakeClock:
-    """Monotonic and wall time that move only when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
-        self._n = 0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def time(self) -> float:
-        return 1_800_000_000.0 + self.now
-
-    async def sleep(self, seconds: float) -> None:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._n += 1
-        heapq.heappush(self._sleepers, (self.now + max(0.0, seconds), self._n, fut))
-        await fut
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-        while self._sleepers and self._sleepers[0][0] <= self.now:
-            _, _, fut = heapq.heappop(self._sleepers)
-            if not fut.done():
-                fut.set_result(None)
+from .support.configs import FAST_RESTART, standin_config, write_configs
+from .support.gpu import start_holder
+from .support.procs import Proc, alive
+from .support.supervisor import FakeClock, running
 
 
 class PassPreflight(Preflight):
@@ -84,45 +53,6 @@ class NeverProbe:
 
     async def close(self) -> None:
         pass
-
-
-def write_configs(root: Path, configs: dict[str, dict[str, Any]]) -> None:
-    (root / "configs").mkdir(parents=True, exist_ok=True)
-    for name, cfg in configs.items():
-        (root / "configs" / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
-
-
-def make_settings(root: Path, **over: Any) -> Settings:
-    data: dict[str, Any] = {
-        "configs_dir": str(root / "configs"),
-        "state_dir": str(root / "state"),
-        "log_dir": str(root / "logs"),
-        "restart": dict(FAST_RESTART),
-        "stop": {"grace_s": 3},
-        "gpu": {"backend": "fake", "poll_interval_s": 0.02, "release_timeout_s": 3},
-    }
-    for key, value in over.items():
-        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
-    # A test that asks for a long first delay means it: the fast schedule's cap would cut it.
-    data["restart"]["max_delay_s"] = max(
-        data["restart"]["max_delay_s"], data["restart"]["initial_delay_s"]
-    )
-    return Settings(**data)
-
-
-@asynccontextmanager
-async def running(
-    root: Path, fake_gpu: Path, configs: dict[str, dict[str, Any]], **kw: Any
-) -> AsyncIterator[Supervisor]:
-    write_configs(root, configs)
-    settings = make_settings(root, **kw.pop("settings", {}))
-    sup = Supervisor(settings, FakeGpuBackend(fake_gpu), **kw)
-    task = asyncio.create_task(sup.run())
-    try:
-        yield sup
-    finally:
-        await asyncio.wait_for(sup.shutdown(), 30)
-        await asyncio.wait_for(task, 10)
 
 
 def events(sup: Supervisor, kind: str) -> list[dict[str, Any]]:
@@ -432,8 +362,6 @@ async def test_log_dir_through_a_regular_file_is_log_unwritable(
 async def test_foreign_gpu_holder_is_gpu_busy_naming_it(
     procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
-    from .test_fakegpu import start_holder  # noqa: PLC0415
-
     holder = start_holder(procs, fake_gpu, 0, 50000)
     async with running(
         tmp_path, fake_gpu, {"c": standin_config()}, settings={"gpu": {"release_timeout_s": 0.3}}
@@ -448,8 +376,6 @@ async def test_foreign_gpu_holder_is_gpu_busy_naming_it(
 async def test_launch_waits_for_gpu_memory_then_starts(
     procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
-    from .test_fakegpu import start_holder  # noqa: PLC0415
-
     holder = start_holder(procs, fake_gpu, 0, 50000)
     async with running(
         tmp_path, fake_gpu, {"c": standin_config()}, settings={"gpu": {"release_timeout_s": 30}}
@@ -546,29 +472,31 @@ async def test_a_helper_task_past_its_deadline_is_stuck_supervision(
 ) -> None:
     """The watchdog is fed only while `stuck()` is None: a sweep that never ends (here, a GPU
     snapshot that blocks) is stuck supervision, not a state that merely lasts."""
-    write_configs(tmp_path, {"f": standin_config()})
     gpu = WedgingGpu(fake_gpu)
-    sup = Supervisor(make_settings(tmp_path, default_config="f"), gpu, preflight=PassPreflight())
-    sup.host.sweep_deadline_s = 0.5
-    task = asyncio.create_task(sup.run())
-    try:
-        await sup.wait_for_state(S.READY, timeout=30)
-        assert sup.stuck() is None
-        gpu.wedge.set()
-        assert sup.machine.launch is not None and sup.machine.launch.child is not None
-        sup.machine.launch.child.kill_group()
-        await sup.wait_for_state(S.STOPPING)
-        await asyncio.wait_for(_until(lambda: sup.stuck() is not None), 10)
-        assert "after_exit task is" in (sup.stuck() or "")
-        assert sup.status()["supervising"] is False
-        gpu.wedge.clear()
-        gpu.unwedge.set()
-        await sup.wait_for_state(S.READY, timeout=30)
-        assert sup.stuck() is None
-    finally:
-        gpu.unwedge.set()
-        await asyncio.wait_for(sup.shutdown(), 30)
-        await asyncio.wait_for(task, 10)
+    async with running(
+        tmp_path,
+        gpu,
+        {"f": standin_config()},
+        settings={"default_config": "f"},
+        preflight=PassPreflight(),
+    ) as sup:
+        sup.host.sweep_deadline_s = 0.5  # before the supervisor's first step
+        try:
+            await sup.wait_for_state(S.READY, timeout=30)
+            assert sup.stuck() is None
+            gpu.wedge.set()
+            assert sup.machine.launch is not None and sup.machine.launch.child is not None
+            sup.machine.launch.child.kill_group()
+            await sup.wait_for_state(S.STOPPING)
+            await asyncio.wait_for(_until(lambda: sup.stuck() is not None), 10)
+            assert "after_exit task is" in (sup.stuck() or "")
+            assert sup.status()["supervising"] is False
+            gpu.wedge.clear()
+            gpu.unwedge.set()
+            await sup.wait_for_state(S.READY, timeout=30)
+            assert sup.stuck() is None
+        finally:
+            gpu.unwedge.set()  # else the shutdown would wait on the wedged snapshot
 
 
 async def test_a_sweep_that_cannot_begin_is_an_internal_error_and_supervision_goes_on(

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
-from .conftest import PY, Proc, free_port, wait_until
-from .daemon_harness import standin_config, start_daemon
+from .support.configs import standin_config
+from .support.daemon import start_daemon
+from .support.procs import PY, Proc, free_port, wait_until
 
 EAGLE = [
     "--speculative-algorithm=EAGLE3",

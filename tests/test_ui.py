@@ -18,10 +18,10 @@ from urllib.parse import urlsplit
 import psutil
 import pytest
 
-from .conftest import Proc, require_tool
-from .daemon_harness import Daemon, standin_config, start_daemon, until
-from .test_api import two_configs
-from .test_fakegpu import start_holder
+from .support.configs import standin_config, two_configs
+from .support.daemon import Daemon, start_daemon, until
+from .support.gpu import start_holder
+from .support.procs import Proc, require_tool
 
 ARTIFACTS = Path(__file__).with_name("artifacts")
 TOKEN = "ui-s3cret"

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Proc, free_port, owned_processes
-from tests.daemon_harness import Daemon, start_daemon
+from tests.support.daemon import Daemon, start_daemon
+from tests.support.procs import Proc, free_port, owned_processes
 
 from . import env as real_env
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.support.procs import wait_until
 
 from .conftest import STARTUP_S, DaemonFactory, sglang_config
 

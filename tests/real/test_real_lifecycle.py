@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import Proc, alive, free_port, wait_until
+from tests.support.procs import Proc, alive, free_port, wait_until
 
 from .conftest import STARTUP_S, DaemonFactory, sglang_config
 

@@ -14,8 +14,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import Proc, alive, free_port, wait_until
-from tests.daemon_harness import Daemon, start_daemon
+from tests.support.daemon import Daemon, start_daemon
+from tests.support.procs import Proc, alive, free_port, wait_until
 
 from . import env as real_env
 from .conftest import STARTUP_S, sglang_config

@@ -1,4 +1,5 @@
-"""Run `gpuwarden serve` as a real process and follow it through its own JSON log lines."""
+"""Run `gpuwarden serve` (or another gpuwarden command) as a real process and follow it through
+its own JSON log lines and its HTTP API: `start_daemon` is the one way tests start a daemon."""
 
 from __future__ import annotations
 
@@ -11,79 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 from gpuwarden.standin import fakegpu
 
-from .conftest import PY, Proc
-
-FAST_RESTART = {
-    "initial_delay_s": 0.05,
-    "max_delay_s": 0.2,
-    "multiplier": 2,
-    "jitter": 0.0,
-    "reset_after_s": 600,
-    "crash_loop_after": 3,
-}
-
-
-def standin_config(
-    *extra: str, scale: float = 0.01, port: int | None = None, **fields: Any
-) -> dict[str, Any]:
-    """A server config for the stand-in; `extra` flags like '--standin-crash-after=0.1'."""
-    from .conftest import free_port  # noqa: PLC0415
-
-    args: dict[str, Any] = {
-        "model-path": "fake-org/fake-model",
-        "port": port or free_port(),
-        "standin-time-scale": scale,
-    }
-    for flag in extra:
-        key, _, value = flag.lstrip("-").partition("=")
-        args[key] = value if value else True
-    cfg: dict[str, Any] = {
-        "command": [PY, "-m", "gpuwarden.standin"],
-        "args": args,
-        "env": {"CUDA_VISIBLE_DEVICES": "0"},
-        "health": {"startup_timeout_s": 30, "interval_s": 0.2, "timeout_s": 2, "failures": 3},
-    }
-    for key, value in fields.items():
-        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
-    return cfg
-
-
-def write_setup(
-    root: Path,
-    configs: dict[str, dict[str, Any]],
-    default: str | None = None,
-    **settings: Any,
-) -> Path:
-    (root / "configs").mkdir(parents=True, exist_ok=True)
-    for name, cfg in configs.items():
-        (root / "configs" / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
-    base: dict[str, Any] = {
-        "listen": "127.0.0.1:0",
-        "configs_dir": "./configs",
-        "state_dir": "./state",
-        "log_dir": "./logs",
-        "default_config": default,
-        "restart": dict(FAST_RESTART),
-        "stop": {"grace_s": 5},
-        "gpu": {"backend": "fake", "poll_interval_s": 0.02, "release_timeout_s": 5},
-    }
-    for key, value in settings.items():
-        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
-    # A test that asks for a long first delay means it: the fast schedule's cap would cut it.
-    base["restart"]["max_delay_s"] = max(
-        base["restart"]["max_delay_s"], base["restart"]["initial_delay_s"]
-    )
-    path = root / "settings.yaml"
-    path.write_text(yaml.safe_dump(base))
-    return path
+from .configs import write_setup
+from .procs import PY, Proc, wait_until
 
 
 class Daemon:
-    """A `gpuwarden serve` process: its URL, its events, its HTTP API."""
+    """A `gpuwarden serve` process: its URL, its events, its HTTP API. Made, it has listened:
+    it waits for the daemon's api.listening record."""
 
     def __init__(self, proc: Proc, root: Path) -> None:
         self.proc = proc
@@ -153,6 +91,33 @@ class Daemon:
         return data
 
 
+def gpuwarden(
+    procs: list[Proc], *args: str, fake_gpu: Path | None, env: dict[str, str] | None = None
+) -> Proc:
+    """`gpuwarden ARGS` as a child of the test (in `procs`, so it cannot outlive it), unbuffered,
+    on the fake GPUs in `fake_gpu` (None: the variable is unset); `env` is added last."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    full_env.pop(fakegpu.ENV_DIR, None)
+    if fake_gpu is not None:
+        full_env[fakegpu.ENV_DIR] = str(fake_gpu)
+    full_env.update(env or {})
+    proc = Proc([PY, "-m", "gpuwarden.api.cli", *args], env=full_env)
+    procs.append(proc)
+    return proc
+
+
+def serve(
+    procs: list[Proc],
+    settings: Path,
+    fake_gpu: Path | None,
+    *args: str,
+    env: dict[str, str] | None = None,
+) -> Proc:
+    """`gpuwarden serve --settings SETTINGS ARGS`, not yet waited for: for a test that acts on
+    the process before it listens (a resource limit) or expects it never to."""
+    return gpuwarden(procs, "serve", "--settings", str(settings), *args, fake_gpu=fake_gpu, env=env)
+
+
 def start_daemon(
     procs: list[Proc],
     root: Path,
@@ -162,19 +127,11 @@ def start_daemon(
     env: dict[str, str] | None = None,
     **settings: Any,
 ) -> Daemon:
+    """A daemon serving `configs` from `root` (see `write_setup` for `settings`), listening.
+    It is stopped after the test with the rest of `procs`."""
     path = write_setup(root, configs, default, **settings)
-    full_env = {
-        **os.environ,
-        fakegpu.ENV_DIR: str(fake_gpu),
-        "PYTHONUNBUFFERED": "1",
-        **(env or {}),
-    }
-    proc = Proc([PY, "-m", "gpuwarden.api.cli", "serve", "--settings", str(path)], env=full_env)
-    procs.append(proc)
-    return Daemon(proc, root)
+    return Daemon(serve(procs, path, fake_gpu, env=env), root)
 
 
 def until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    from .conftest import wait_until  # noqa: PLC0415
-
     wait_until(predicate, timeout, what)
