@@ -34,29 +34,11 @@ def cancelled_by_stop(m: Machine, ticket: int, what: str) -> None:
         )
 
 
-def during_boot(m: Machine, what: str) -> None:
-    """A command asked while the daemon boots is handled in order with the boot: while the
-    previous life's server is being stopped, a start or restart is refused (it would race
-    that server for its port and GPUs); after, it replaces what the boot was to start."""
-    boot = m.boot
-    if boot is None:
-        return
-    if boot.stopping is not None:
-        raise CommandError(
-            errors.CONFLICT,
-            "the daemon is booting: it is stopping the server its previous life left running "
-            f"(pid {boot.stopping.pid}); {what} again once that is done",
-        )
-    m.boot = None  # the boot's start, still being read, is not carried out
-
-
 def start(m: Machine, msg: StartRequested) -> dict[str, Any]:
     if msg.boot:
-        if m.boot is None or m.boot.stopping is not None or m.boot.config != msg.config:
-            raise CommandError(errors.CONFLICT, "a command asked during the boot replaced it")
-        m.boot = None
+        m.booting.start_arrived(msg.config)
     else:
-        during_boot(m, "start")
+        m.booting.command("start")
     cancelled_by_stop(m, msg.ticket, "start")
     if not msg.boot:  # a boot resumes an interrupted swap as that swap
         m.swaps.refuse_if_under_way(m.active_sweep)
@@ -95,10 +77,7 @@ def stop(m: Machine, msg: StopRequested) -> dict[str, Any]:
     # finishes later) is refused when it arrives.
     m.stop_ticket = max(m.stop_ticket, msg.ticket)
     m.set_intent(m.intent_config, False)
-    if m.boot is not None:  # the boot starts nothing (the previous life's server still goes)
-        m.boot.config = None
-        if m.boot.stopping is None:
-            m.boot = None
+    m.booting.stop()  # a boot under way starts nothing (the previous life's server still goes)
     if m.swaps.active() is not None:
         m.swaps.settle(
             "failed", "requested_stop", "stopped on request during the swap", m.intent_config
@@ -118,7 +97,7 @@ def stop(m: Machine, msg: StopRequested) -> dict[str, Any]:
 
 
 def restart(m: Machine, msg: RestartRequested) -> dict[str, Any]:
-    during_boot(m, "restart")
+    m.booting.command("restart")
     cancelled_by_stop(m, msg.ticket, "restart")
     m.swaps.refuse_if_under_way(m.active_sweep, msg.sweep_id)
     cfg = msg.resolved
@@ -162,12 +141,8 @@ def restart(m: Machine, msg: RestartRequested) -> dict[str, Any]:
 
 
 def shutdown(m: Machine, msg: ShutdownRequested) -> None:
-    if m.boot is not None:
-        m.boot.config = None
-        if m.boot.stopping is not None:  # the daemon ends once the previous server is stopped
-            m.boot.shutdown = True
-            return
-        m.boot = None
+    if m.booting.shutdown_waits():  # the daemon ends once the previous server is stopped
+        return
     launch = m.launch
     if launch is not None and (m.state in RUNNING_STATES or launch.spawning):
         m.begin_stop(launch, Next.SHUTDOWN)

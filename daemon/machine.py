@@ -3,8 +3,9 @@
 `handle(msg)` decides on one message synchronously, dispatched by one explicit `match`: no
 awaits, processes, files or clocks of its own. `Machine` holds the lifecycle's fields and is
 their one writer (the state only through `transition`, checked against `states.py`'s table).
-It composes two parts that own their fields: `Swaps` (`swaps.py`, a swap's phase, outcome and
-rollback) and a `Ledger` (`ledger.py`, the records that decide nothing). What it decides leaves
+It composes parts that own their fields: `Swaps` (`swaps.py`, a swap's phase, outcome and
+rollback), `Booting` (`booting.py`, the daemon's start under way) and a `Ledger` (`ledger.py`,
+the records that decide nothing). What it decides leaves
 through the host (`host.py`), whose tasks post outcomes back; sites say `# FROM -> TO`.
 
 A crash, read top to bottom: `ServerExited` (`# READY -> STOPPING`, host.sweep) → `SweepFinished`
@@ -18,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, assert_never
 
 from . import commands, saved
+from .booting import Booting
 from .effects import Effects
 from .ledger import Ledger
 from .messages import (
@@ -53,7 +55,7 @@ from .messages import (
     TaskFailed,
     WriteHealthChanged,
 )
-from .model import Boot, Launch, Next, utc_iso, utc_stamp
+from .model import Launch, Next, utc_iso, utc_stamp
 from .policy import NOT_RETRIED, Classification, backoff_delay, classify_exit
 from .redact import Redactor, fingerprints
 from .sglanglines import decode_metrics, strip_prefix
@@ -77,7 +79,6 @@ class Machine:
         self.dirty = False  # the saved state is stale: saved once after this message
         self.gen = 0
         self.launch: Launch | None = None
-        self.boot: Boot | None = None  # the daemon's start, under way (`on_boot_began`)
         self.intent_config: str | None = None
         self.intent_running = False
         self.last_good_config: str | None = None
@@ -96,6 +97,7 @@ class Machine:
         self.saving_again = False
         self.ledger = Ledger(clock, self.event)  # the records, which decide nothing
         self.swaps = Swaps(self.event, host.swap_settled)  # a swap or restart under way
+        self.booting = Booting(host, self.event)  # the daemon's start, while under way
 
     def handle(self, msg: Message) -> Any:
         """Decide on one message. A command's answer is returned (a refusal raises
@@ -260,8 +262,8 @@ class Machine:
     def on_boot_began(self, msg: BootBegan) -> None:
         """The previous life's record is restored at once (`/status` shows it, `booting`); a
         server that life left running is stopped (the host's `stop_previous`), then the saved
-        intent starts, read and preflighted like any start (the host's `boot_start`). A
-        command asked meanwhile is handled in order with these (`commands.during_boot`)."""
+        intent starts, read and preflighted like any start (the host's `boot_start`), each
+        step decided by the boot's own sub-machine (`booting.py`)."""
         data = msg.record
         self.ledger.secret_salt = msg.secret_salt
         if msg.note:
@@ -291,46 +293,28 @@ class Machine:
                 + (f"{back} serves again" if back else "nothing was serving before it"),
             )
         name = saved.boot_config(data, self.settings.default_config)
-        self.boot = Boot(name)
+        rollback = None
         record = data.get("swap")
         swap = saved.resumed_swap(record, name) if name else None
         if swap is not None:
             self.swaps.resume(swap, record.get("phase") if isinstance(record, dict) else None)
-            self.boot.rollback = swap.rollback_name or self.last_good_config
+            rollback = swap.rollback_name or self.last_good_config
         self.persist()  # the previous life's record, brought up to date, is saved now
-        prev = msg.previous
-        if prev is None:
-            self._boot_go_on("")
-            return
-        self.boot.stopping = prev
-        self.event(
-            "previous_server_found",
-            pid=prev.pid,
-            launch_id=prev.launch_id,
-            detail="a server from the daemon's previous life is still running; stopping it",
-        )
-        self.host.stop_previous(prev)
+        if self.booting.begin(name, rollback, msg.previous):
+            self._boot_go_on("")  # nothing of that life runs
 
     def on_previous_server_stopped(self, msg: PreviousServerStopped) -> None:
-        prev = msg.previous
-        self.event("previous_server_stopped", pid=prev.pid, killed=msg.killed)
-        self._boot_go_on(prev.launch_id if prev.alive else "")
+        self.booting.previous_stopped(msg)
+        self._boot_go_on(msg.previous.launch_id if msg.previous.alive else "")
 
     def _boot_go_on(self, stopped_id: str) -> None:
         """Nothing of the previous life runs any more: its launches get their exit records,
-        and the boot's config (unless a command cleared it) is read and preflighted."""
-        boot = self.boot
-        if boot is None:
+        and the boot goes on to its start (or the daemon ends: a shutdown asked meanwhile)."""
+        if not self.booting.active:
             return
-        if self.ledger.close_unobserved(stopped_id):
-            self.persist()
-        boot.stopping = None
-        if boot.shutdown:  # asked during the stop: the daemon ends now
-            self.boot, self.finished = None, True
-        elif boot.config is None:
-            self.boot = None
-        else:  # the boot ends when its start arrives (`commands.start`)
-            self.host.boot_start(boot.config, boot.rollback)
+        self.ledger.close_unobserved(stopped_id)
+        if self.booting.go_on():
+            self.finished = True
         self.persist()
 
     def begin_attempt(self, cfg: ResolvedConfig, rollback: bool = False) -> None:
@@ -770,7 +754,7 @@ class Machine:
         elif msg.name == "stop_previous":  # as stopped: the GPU wait kills what holds GPUs
             self._boot_go_on("")
         elif msg.name == "boot_start":
-            self.boot = None
+            self.booting.start_failed()
             if self.state == ServerState.STOPPED:
                 self.ledger.note_exit("internal_error", evidence)
                 # STOPPED -> FAILED

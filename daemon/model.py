@@ -46,18 +46,6 @@ class PreviousServer:
     alive: bool
 
 
-@dataclass
-class Boot:
-    """The daemon's start, under way: the previous life's server being stopped, then the
-    saved intent read and preflighted. A command asked meanwhile is handled in order with it:
-    a stop, start, restart or shutdown clears `config`, so the boot starts nothing."""
-
-    config: str | None  # what the boot starts once that server is stopped (None: nothing)
-    rollback: str | None = None  # what a resumed swap rolls back to
-    stopping: PreviousServer | None = None  # the previous life's server, being stopped
-    shutdown: bool = False  # a shutdown came during that stop: the daemon ends once it is done
-
-
 @dataclass(eq=False)
 class Launch:
     """One launch attempt, from the GPU wait to the sweep after its exit. `gen` tags every

@@ -83,7 +83,7 @@ def take(m: Machine) -> Snapshot:
     running = launch is not None and launch.running
     return Snapshot(
         state=m.state,
-        booting=m.boot is not None,
+        booting=m.booting.active,
         state_since=m.state_since,
         gen=m.gen,
         config=launch.config.name if launch else m.intent_config,

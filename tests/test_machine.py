@@ -493,23 +493,23 @@ def _boot_start(w: World, name: str = "a") -> Any:
 def test_boot_stops_the_previous_server_then_starts_the_saved_intent(tmp_path: Path) -> None:
     w = World(tmp_path, **FAST)
     w.send(BootBegan(_saved_record(), None, PREVIOUS))
-    assert w.m.boot is not None and w.m.intent_config == "a" and w.m.failures == 1
+    assert w.m.booting.active and w.m.intent_config == "a" and w.m.failures == 1
     assert w.host.called("stop_previous") == [(PREVIOUS,)]
     assert not w.host.called("boot_start")  # not while that server may hold port and GPUs
     w.send(PreviousServerStopped(PREVIOUS, []))
     assert w.host.called("boot_start") == [("a", None)]
     assert w.m.ledger.history.entries()[0]["exit"]["reason"] == "requested_stop"
     _boot_start(w)
-    assert w.m.boot is None and w.m.state == S.WAITING_GPU
+    assert not w.m.booting.active and w.m.state == S.WAITING_GPU
 
 
 def test_a_stop_during_the_boot_wins_over_its_start(tmp_path: Path) -> None:
     w = World(tmp_path, **FAST)
     w.send(BootBegan(_saved_record(), None, PREVIOUS))
     w.stop()
-    assert w.m.intent_running is False and w.m.boot is not None  # still stopping that server
+    assert w.m.intent_running is False and w.m.booting.active  # still stopping that server
     w.send(PreviousServerStopped(PREVIOUS, []))
-    assert w.m.boot is None and not w.host.called("boot_start")
+    assert not w.m.booting.active and not w.host.called("boot_start")
     assert w.m.state == S.STOPPED
 
 
