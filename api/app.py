@@ -63,6 +63,7 @@ def create_app(supervisor: Supervisor, settings: Settings) -> FastAPI:
     supervisor.line_listeners.add(app.state.log_feed.notify)
     app.state.metrics = None  # the metrics (api/metrics.py), made on the first scrape
     app.state.sweeps = SweepManager(supervisor)
+    supervisor.attach_sweeps(app.state.sweeps)
     # The guard checks Host, Origin, the token and the body's size before any body is read.
     app.add_middleware(Guard, policy=policy_for(settings, app.state.token))
     # The bearer dependency only declares the scheme in the OpenAPI (the guard enforces it);

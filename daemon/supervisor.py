@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from gpuwarden.daemon import logsetup
 
@@ -42,6 +42,13 @@ OWNER_STALL_S = 60.0
 # the exec's outcome normally comes first and is saved with it; a long backoff, GPU wait or
 # stop is saved after this.
 SAVE_DEFER_S = 0.25
+
+
+class SweepRunner(Protocol):
+    """What the supervisor asks of the sweeps' runner (`sweep.SweepManager`)."""
+
+    def running_view(self) -> dict[str, Any] | None: ...
+    async def cancel_for_stop(self) -> None: ...
 
 
 class Supervisor:
@@ -92,8 +99,7 @@ class Supervisor:
         self._handling_since: float | None = None  # when the owner took its message
         self._owner: asyncio.Task[Any] | None = None
         self._status: tuple[views.Snapshot, dict[str, Any]] | None = None  # status_fixed's
-        self._sweep: tuple[str, Callable[[], Any]] | None = None
-        self._cancel_sweep: Callable[[], Awaitable[None]] | None = None
+        self.sweeps: SweepRunner | None = None  # the sweeps' runner (`attach_sweeps`)
         self._save_timer: asyncio.TimerHandle | None = None
         self._asked: tuple[str | None, bool, str | None, str | None] | None = None  # last saved
 
@@ -225,8 +231,10 @@ class Supervisor:
 
     async def stop(self) -> Any:
         ticket = self._take_ticket()
-        if self._cancel_sweep is not None:
-            await self._cancel_sweep()  # stop wins over a sweep: it ends, restoring nothing
+        if self.sweeps is not None:
+            await (
+                self.sweeps.cancel_for_stop()
+            )  # stop wins over a sweep: it ends, restoring nothing
         return await self.request(msgs.StopRequested(ticket=ticket))
 
     async def restart(
@@ -373,21 +381,16 @@ class Supervisor:
         """Stop the server (the saved intent is kept) and end `run`."""
         await self.request(ShutdownRequested())
 
-    def sweep_began(
-        self,
-        sweep_id: str,
-        view: Callable[[], Any],
-        cancel: Callable[[], Awaitable[None]],
-        restore_to: str | None = None,
-    ) -> None:
-        """A sweep runs: `view` is its progress; `cancel` ends it (a stop wins over it);
-        `restore_to` is the config it ends on."""
-        self._sweep, self._cancel_sweep = (sweep_id, view), cancel
+    def attach_sweeps(self, runner: SweepRunner) -> None:
+        """The sweeps' runner: `/status` shows its sweep's progress, and a stop ends it."""
+        self.sweeps = runner
+
+    def sweep_began(self, sweep_id: str, restore_to: str | None = None) -> None:
+        """A sweep runs: other swaps are refused until it ends; `restore_to` is the config it
+        ends on."""
         self.post(msgs.SweepBegan(sweep_id, restore_to))
 
     def sweep_ended(self, sweep_id: str) -> None:
-        if self._sweep is not None and self._sweep[0] == sweep_id:
-            self._sweep = self._cancel_sweep = None
         self.post(msgs.SweepEnded(sweep_id))
 
     def kill_server_now(self) -> None:
@@ -433,7 +436,7 @@ class Supervisor:
             snap,
             now_mono=self.clock.monotonic(),
             real_mono=self.host.real.monotonic(),
-            sweep=self._sweep[1]() if self._sweep is not None else None,
+            sweep=self.sweeps.running_view() if self.sweeps is not None else None,
             supervising=self.stuck() is None,
             booting=self.booting(),
         )

@@ -129,9 +129,7 @@ class SweepManager:
         )
         self.sweeps[sweep_id] = sweep
         self.active = sweep
-        self.sup.sweep_began(
-            sweep_id, sweep.view, self.cancel_for_stop, restore_to=end_on or sweep.original
-        )
+        self.sup.sweep_began(sweep_id, restore_to=end_on or sweep.original)
         sweep.task = asyncio.get_running_loop().create_task(self._run(sweep))
         self.sup.post_event("sweep_started", sweep_id=sweep_id, configs=configs)
         return sweep
@@ -158,6 +156,10 @@ class SweepManager:
             else:  # a stop: it ends now, restoring nothing
                 await self._finish(sweep, False)
         return sweep
+
+    def running_view(self) -> dict[str, Any] | None:
+        """The sweep under way, as `/status` shows its progress (None: none runs)."""
+        return self.active.view() if self.active is not None else None
 
     async def cancel_for_stop(self) -> None:
         """`stop` wins: the running sweep ends without restoring anything."""
@@ -223,6 +225,7 @@ class SweepManager:
                 restored=sweep.restored,
             )
             if self.active is sweep:
+                self.active = None
                 sup.sweep_ended(sweep.id)
 
     async def _write(self, sweep: Sweep) -> None:
