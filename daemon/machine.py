@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, assert_never
 
-from . import commands, saved
+from . import errors, saved
 from .booting import Booting
 from .effects import Effects
+from .errors import CommandError
 from .ledger import Ledger
 from .messages import (
     BackoffElapsed,
@@ -59,7 +60,7 @@ from .model import Launch, Next, utc_iso, utc_stamp
 from .policy import NOT_RETRIED, Classification, backoff_delay, classify_exit
 from .redact import Redactor, fingerprints
 from .sglanglines import decode_metrics, strip_prefix
-from .states import RUNNING_STATES, ServerState, check_transition
+from .states import RUNNING_STATES, ServerState, SwapPhase, check_transition
 from .swaps import Swaps
 
 if TYPE_CHECKING:
@@ -136,19 +137,19 @@ class Machine:
                 self.on_probation_over(msg)
             case TaskFailed():
                 self.on_task_failed(msg)
-            # The commands (`commands.py`).
+            # The commands.
             case StartRequested():
-                return commands.start(self, msg)
+                return self.start(msg)
             case StopRequested():
-                return commands.stop(self, msg)
+                return self.stop(msg)
             case RestartRequested():
-                return commands.restart(self, msg)
+                return self.restart(msg)
             case ShutdownRequested():
-                return commands.shutdown(self, msg)
+                return self.shutdown(msg)
             case SweepBegan():
-                return commands.sweep_began(self, msg)
+                return self.sweep_began(msg)
             case SweepEnded():
-                return commands.sweep_ended(self, msg)
+                return self.sweep_ended(msg)
             # The boot.
             case BootBegan():
                 self.on_boot_began(msg)
@@ -170,6 +171,158 @@ class Machine:
             case _:
                 assert_never(msg)
         return None
+
+    # -- the commands: each refuses (`CommandError`, by kind) or acts, and answers ------------
+    # "Stop wins": a stop refuses whatever was asked before it and is still on its way.
+
+    def _cancelled_by_stop(self, ticket: int, what: str) -> None:
+        if ticket and ticket < self.stop_ticket:
+            raise CommandError(
+                errors.CONFLICT, f"a stop was requested after this {what}; it was not carried out"
+            )
+
+    def start(self, msg: StartRequested) -> dict[str, Any]:
+        if msg.boot:
+            self.booting.start_arrived(msg.config)
+        else:
+            self.booting.command("start")
+        self._cancelled_by_stop(msg.ticket, "start")
+        if not msg.boot:  # a boot resumes an interrupted swap as that swap
+            self.swaps.refuse_if_under_way(self.active_sweep)
+        if self.state in (ServerState.WAITING_GPU, *RUNNING_STATES):
+            raise CommandError(
+                errors.CONFLICT,
+                f"a server is already {self.state} (config {self.current_config()}); "
+                "use restart to swap",
+            )
+        pre = msg.preflight
+        if pre is not None and not pre.ok:
+            detail = "; ".join(pre.problems) or "preflight failed"
+            self.refuse(msg.config, detail)
+            raise CommandError(
+                errors.PREFLIGHT_REFUSED,
+                detail,
+                extra={"problems": pre.problems, "warnings": pre.warnings},
+            )
+        cfg = msg.resolved
+        if cfg is None:  # the facade reads it first; one that did not read comes refused above
+            raise CommandError(errors.INVALID_CONFIG, f"config {msg.config!r} was not read")
+        swap = self.swaps.current
+        if msg.boot and swap is not None and swap.rollback_to is None:
+            # A resumed swap: what it rolls back to was read with the config it starts.
+            rollback: ResolvedConfig | None = msg.last_good
+            if rollback is not None and rollback.name == (
+                swap.rollback_name or self.last_good_config
+            ):
+                swap.rollback_to = rollback
+        self.host.cancel_retry()
+        self.failures, self.crash_loop = 0, False
+        self.set_intent(cfg.name, True)
+        self.begin_attempt(cfg, rollback=swap is not None and swap.phase == SwapPhase.ROLLING_BACK)
+        return {"accepted": True, "config": cfg.name, "state": str(self.state)}
+
+    def stop(self, msg: StopRequested) -> dict[str, Any]:
+        # Stop wins: whatever was asked before it and is still on its way (a preflight that
+        # finishes later) is refused when it arrives.
+        self.stop_ticket = max(self.stop_ticket, msg.ticket)
+        self.set_intent(self.intent_config, False)
+        # A boot under way starts nothing (the previous life's server still goes).
+        self.booting.stop()
+        if self.swaps.active() is not None:
+            self.swaps.settle(
+                "failed", "requested_stop", "stopped on request during the swap", self.intent_config
+            )
+        launch = self.launch
+        if self.state in (ServerState.FAILED, ServerState.BACKOFF) or (
+            self.state == ServerState.WAITING_GPU and (launch is None or not launch.spawning)
+        ):
+            self.host.cancel_retry()
+            self.host.cancel_gpu_wait()
+            # FAILED|BACKOFF|WAITING_GPU -> STOPPED
+            self.transition(ServerState.STOPPED, reason="requested_stop")
+        elif self.state != ServerState.STOPPED and launch is not None:
+            self.begin_stop(launch, Next.STOP)
+        # The grace a waiting client bounds its wait by (SIGTERM, then SIGKILL after it).
+        return {"accepted": True, "state": str(self.state), "grace_s": self.settings.stop.grace_s}
+
+    def restart(self, msg: RestartRequested) -> dict[str, Any]:
+        self.booting.command("restart")
+        self._cancelled_by_stop(msg.ticket, "restart")
+        self.swaps.refuse_if_under_way(self.active_sweep, msg.sweep_id)
+        cfg = msg.resolved
+        if cfg is None:
+            raise CommandError(errors.INVALID_CONFIG, f"config {msg.config!r} was not read")
+        current = self.current_config()
+        serving = self.serving()
+        if (
+            msg.ensure
+            and serving is not None
+            and self.state == ServerState.READY
+            and current == cfg.name
+        ):
+            return {"accepted": True, "config": cfg.name, "state": str(self.state), "swap_id": None}
+        if serving is not None and serving.on_probation:
+            # A swap away from a config on probation: its probation counts as passed, and it is
+            # what this swap rolls back to (it was serving, not the older last-good); a config a
+            # sweep measures never becomes last-good.
+            serving.on_probation = False
+            if self.may_be_last_good(serving):
+                self._good(serving)
+                self.event("probation_passed", detail="a swap began while it served")
+        swap = self.swaps.begin(
+            cfg,
+            current=current,
+            serving=serving,
+            last_good_config=self.last_good_config,
+            last_good=msg.last_good,
+            seq=self.launch_seq,
+            now=self.clock.time(),
+        )
+        self.failures, self.crash_loop = 0, False
+        self.set_intent(cfg.name, True)
+        launch = self.launch
+        if (
+            self.state in (*RUNNING_STATES, ServerState.WAITING_GPU)
+            and launch is not None
+            and (self.state != ServerState.WAITING_GPU or launch.spawning)
+        ):
+            self.begin_stop(launch, Next.RELAUNCH, next_config=cfg)
+        else:
+            self.host.cancel_retry()
+            self.host.cancel_gpu_wait()
+            self.begin_attempt(cfg)
+        return {"accepted": True, "config": cfg.name, "state": str(self.state), "swap_id": swap.id}
+
+    def shutdown(self, msg: ShutdownRequested) -> None:
+        if self.booting.shutdown_waits():  # the daemon ends once the previous server is stopped
+            return
+        launch = self.launch
+        if launch is not None and (self.state in RUNNING_STATES or launch.spawning):
+            self.begin_stop(launch, Next.SHUTDOWN)
+            return
+        self.host.cancel_retry()
+        self.host.cancel_gpu_wait()
+        self.finished = True
+        self.persist()
+
+    def sweep_began(self, msg: SweepBegan) -> None:
+        self.active_sweep, self.sweep_restore_to = msg.sweep_id, msg.restore_to
+        self.persist()  # on record: a later life ends it (sweep_interrupted)
+
+    def sweep_ended(self, msg: SweepEnded) -> None:
+        if self.active_sweep == msg.sweep_id:
+            self.active_sweep, self.sweep_restore_to = None, None
+            self.persist()
+
+    def refuse(self, name: str | None, detail: str) -> None:
+        """A start whose preflight failed (or whose config no longer reads): `failed`."""
+        self.intent_config, self.intent_running = name, True
+        self.ledger.note_exit("preflight_refused", detail)
+        self.event("preflight_refused", config=name, detail=detail)
+        if self.state != ServerState.FAILED:
+            # STOPPED|BACKOFF -> FAILED
+            self.transition(ServerState.FAILED, reason="preflight_refused")
+        self.persist()
 
     # -- the one writer of the state and of a swap's phase, and what it reads ------------------
 
@@ -202,6 +355,11 @@ class Machine:
         """A launch a sweep measures is not last-good (the sweep ends on another config); the
         config the sweep ends on may be."""
         return self.active_sweep is None or launch.config.name == self.sweep_restore_to
+
+    def _good(self, launch: Launch) -> None:
+        """`launch` is what a failed swap rolls back to from now on, and what a later life
+        keeps the logs of."""
+        self.last_good_config, self.last_good_launch = launch.config.name, launch.launch_id
 
     def set_intent(self, config: str | None, running: bool) -> None:
         self.intent_config, self.intent_running = config, running
@@ -494,7 +652,7 @@ class Machine:
             launch.on_probation = True
             self.host.timer(probation, ProbationOver(launch.gen), launch)
         elif self.may_be_last_good(launch):
-            self.last_good_config, self.last_good_launch = launch.config.name, launch.launch_id
+            self._good(launch)
         self.persist()
         self.host.probe(launch, readiness=False)
         self.host.timer(
@@ -544,7 +702,7 @@ class Machine:
         launch.on_probation = False
         if not self.may_be_last_good(launch):
             return  # a sweep measures it: it ends on another config
-        self.last_good_config, self.last_good_launch = launch.config.name, launch.launch_id
+        self._good(launch)
         self.event("probation_passed", probation_s=self.settings.restart.probation_s)
         self.persist()
 
@@ -727,7 +885,7 @@ class Machine:
                 f"(hash {resolved.config_hash}); the file is read again at the next retry",
             )
         if resolved is None:
-            commands.refuse(self, self.intent_config, msg.error or "the config does not load")
+            self.refuse(self.intent_config, msg.error or "the config does not load")
             return
         self.restarts += 1
         self.begin_attempt(resolved)  # BACKOFF -> WAITING_GPU
