@@ -51,6 +51,15 @@ class Ledger:
         # (`store.secret_salt`, set by the supervisor at start; None: none are kept).
         self.secret_salt: bytes | None = None
 
+    def restore(
+        self,
+        history: LaunchHistory,
+        last_exit: dict[str, Any] | None,
+        known_ours: dict[tuple[int, float], str],
+    ) -> None:
+        """The records of the daemon's previous life, read back at its boot."""
+        self.history, self.last_exit, self.known_ours = history, last_exit, dict(known_ours)
+
     # -- exits ------------------------------------------------------------------------------------
 
     def exit_record(

@@ -427,15 +427,22 @@ class Machine:
         if msg.note:
             self.event("state_file_corrupt", detail=msg.note)
         try:
-            saved.restore(self, data, lambda pid, ct: (pid, ct) in msg.alive_known)
+            restored = saved.read(data, lambda pid, ct: (pid, ct) in msg.alive_known)
         except (TypeError, ValueError, AttributeError) as exc:  # a JSON object of other shape
             self.event(
                 "state_file_corrupt",
                 detail=f"state.json does not read as a record ({type(exc).__name__}: {exc}); "
                 "starting as on a first start",
             )
-            data = {}
-            saved.restore(self, data, lambda pid, ct: False)
+            data, restored = {}, saved.Restored()
+        self.intent_config, self.intent_running = restored.intent_config, restored.intent_running
+        self.last_good_config, self.last_good_launch = (
+            restored.last_good_config,
+            restored.last_good_launch,
+        )
+        self.last_failed_launch, self.launch_seq = restored.last_failed_launch, restored.launch_seq
+        self.failures = restored.failures
+        self.ledger.restore(restored.history, restored.last_exit, restored.known_ours)
         swept = saved.interrupted_sweep(data)
         if swept is not None:
             # The sweep ended with that life: its config does not go on serving; the config the

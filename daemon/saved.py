@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .history import LaunchHistory
@@ -88,24 +89,48 @@ def _swap_record(m: Any) -> dict[str, Any] | None:
     }
 
 
-def restore(m: Any, data: dict[str, Any], alive: Callable[[int, float], bool]) -> None:
-    """Put a previous life's record into the machine `m` (the dead of its known processes are
-    forgotten: `alive(pid, create_time)` says which live)."""
+@dataclass(frozen=True)
+class Restored:
+    """A previous life's record, read back: what the machine takes into its own fields."""
+
+    intent_config: str | None = None
+    intent_running: bool = False
+    last_good_config: str | None = None
+    last_good_launch: str | None = None
+    last_failed_launch: str | None = None
+    launch_seq: int = 0
+    failures: int = 0  # shown while booting; a start resets it
+    history: LaunchHistory = field(default_factory=LaunchHistory)
+    last_exit: dict[str, Any] | None = None
+    known_ours: dict[tuple[int, float], str] = field(default_factory=dict)
+
+
+def read(data: dict[str, Any], alive: Callable[[int, float], bool]) -> Restored:
+    """A previous life's record (the dead of its known processes are forgotten:
+    `alive(pid, create_time)` says which live). Raises TypeError or ValueError for a record of
+    another shape."""
     intent = data.get("intent") or {}
-    m.intent_config = _name(intent.get("config"), "intent.config")
-    m.intent_running = bool(intent.get("running"))
-    m.last_good_config = _name(data.get("last_good_config"), "last_good_config")
-    m.last_good_launch = _name(data.get("last_good_launch"), "last_good_launch")
-    m.last_failed_launch = _name(data.get("last_failed_launch"), "last_failed_launch")
-    m.launch_seq = int(data.get("launch_seq", 0) or 0)
-    m.failures = int(data.get("failures", 0) or 0)  # shown while booting; a start resets it
-    m.ledger.history = LaunchHistory(data.get("launches") or [])
-    m.ledger.last_exit = data.get("last_exit")
+    known: dict[tuple[int, float], str] = {}
     for item in data.get("known_processes") or []:
         with contextlib.suppress(TypeError, ValueError, IndexError):
             pid, ct, lid = int(item[0]), float(item[1]), str(item[2])
             if alive(pid, ct):
-                m.ledger.known_ours[(pid, ct)] = lid
+                known[(pid, ct)] = lid
+    last_exit = data.get("last_exit")
+    if last_exit is not None and not isinstance(last_exit, dict):
+        raise TypeError(f"last_exit is {type(last_exit).__name__}, not a record")
+    return Restored(
+        intent_config=_name(intent.get("config"), "intent.config"),
+        intent_running=bool(intent.get("running")),
+        last_good_config=_name(data.get("last_good_config"), "last_good_config"),
+        last_good_launch=_name(data.get("last_good_launch"), "last_good_launch"),
+        last_failed_launch=_name(data.get("last_failed_launch"), "last_failed_launch"),
+        launch_seq=int(data.get("launch_seq", 0) or 0),
+        failures=int(data.get("failures", 0) or 0),
+        history=LaunchHistory(data.get("launches") or []),
+        last_exit=last_exit,
+        known_ours=known,
+    )
 
 
 def _name(value: Any, field: str) -> str | None:
