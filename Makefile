@@ -29,6 +29,7 @@ lint: setup
 
 typecheck: setup
 	$(BIN)/mypy -p gpuwarden.daemon -p gpuwarden.api -p gpuwarden.standin
+	$(BIN)/mypy tests/support/effects.py  # the machine tests' recording Effects is the protocol
 
 unit: setup
 	$(BIN)/pytest -q -p no:cacheprovider --ignore=tests/real

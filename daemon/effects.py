@@ -67,10 +67,6 @@ class ServerHandle(Protocol):
         """Wait up to `timeout_s` for the rest of its output; False if it did not end."""
         ...
 
-    def detach(self) -> None:
-        """Let go of the server without ending it (the daemon is handing it on)."""
-        ...
-
     def close(self) -> None:
         """Let go of the server; one still running is killed (nothing of ours runs unseen)."""
         ...

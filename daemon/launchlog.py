@@ -52,7 +52,6 @@ class Ring:
         self._count = 0
         self._bytes = 0
         self.seq = 0  # lines ever added
-        self.truncated = 0
 
     def add(self, text: str, at: float) -> None:
         self.extend([text], at)
@@ -65,7 +64,6 @@ class Ring:
             skipped = len(texts) - self.max_lines
             texts = texts[skipped:]
         if max(map(len, texts)) > RING_ENTRY_MAX:
-            self.truncated += sum(1 for t in texts if len(t) > RING_ENTRY_MAX)
             texts = [
                 t if len(t) <= RING_ENTRY_MAX else t[:RING_ENTRY_MAX] + TRUNCATED for t in texts
             ]
@@ -272,7 +270,6 @@ class LaunchLog:
         self.on_lines = on_lines
         self.redact = redact or (lambda s: s)
         self._partials: dict[int, bytes] = {}
-        self.bytes_written = 0
         self.lines = 0
         self.closed = False
         try:
@@ -338,7 +335,6 @@ class LaunchLog:
             if not failing and self.on_write is not None:
                 self.on_write(self.write_error)
             return
-        self.bytes_written += len(data)
         self._size += written
         if self.max_bytes is not None:  # a comparison or two per chunk
             if self._head_open:

@@ -49,8 +49,6 @@ PROMPTS = (
     "Describe how tensor parallelism splits a matrix multiplication.",
 )
 
-BACKENDS = ("openai", "sglang-bench")
-
 
 @dataclass
 class LoadSpec:

@@ -314,7 +314,6 @@ def longest_first(values: Iterable[str]) -> list[str]:
 
 # -- An earlier launch's secrets, by keyed digest ---------------------------------------------
 
-SALT_BYTES = 32
 _ALNUM_RUN = re.compile(r"[A-Za-z0-9]+")
 
 

@@ -68,7 +68,6 @@ class Finding:
 class ParsedLine:
     ready: bool = False
     decode: dict[str, float] | None = None
-    prefill: bool = False
     findings: list[Finding] = field(default_factory=list)
     # SGLang says the server is dead: a child crashed, SIGQUIT came from one, a manager's loop
     # hit an exception. It may still linger (crash diagnostics, a 60 s coredump wait) with its
@@ -132,8 +131,7 @@ def parse_line(line: str) -> ParsedLine:
                     values[key] = float(m.group(1))
         out.decode = values
         return out
-    if msg.startswith("Prefill batch"):
-        out.prefill = True
+    if msg.startswith("Prefill batch"):  # nothing in it to find
         return out
     find = out.findings.append
     if (

@@ -1,10 +1,9 @@
 """Argument specs: a server's argparse options as data.
 
-One representation (`OptionSpec`) serves three purposes:
+One representation (`OptionSpec`) serves two purposes:
 
 * rebuilding a server's option set from its ``--help`` text (argparse's own format; types are
   then unknown);
-* dumping the options of a live ``argparse.ArgumentParser`` (exact: types and choices kept);
 * building an equivalent parser from a list of specs, so that a config's argv can be checked
   with the server's own rules (abbreviations, nargs, choices) without starting the server.
 
@@ -199,58 +198,8 @@ def parse_help(text: str) -> list[OptionSpec]:
 
 
 # --------------------------------------------------------------------------------------------
-# From a live parser, and back to a parser
+# Specs to a parser
 # --------------------------------------------------------------------------------------------
-
-
-def _type_name(t: object) -> str | None:
-    for name, py in _TYPES.items():
-        if t is py:
-            return name
-    if t is None:
-        return None
-    return getattr(t, "__name__", None) or "callable"
-
-
-def specs_from_parser(parser: argparse.ArgumentParser) -> list[OptionSpec]:
-    """Dump a parser's optional arguments, types and choices included."""
-    specs: list[OptionSpec] = []
-    for action in parser._actions:
-        if not action.option_strings:
-            continue
-        if isinstance(action, argparse._HelpAction):
-            specs.append(OptionSpec(strings=tuple(action.option_strings), kind=KIND_HELP, nargs=0))
-            continue
-        if isinstance(action, argparse.BooleanOptionalAction):
-            positive = [s for s in action.option_strings if not s.startswith("--no-")]
-            specs.append(
-                OptionSpec(strings=tuple(positive), kind=KIND_BOOL_PAIR, nargs=0, dest=action.dest)
-            )
-            continue
-        if action.nargs == 0:
-            specs.append(
-                OptionSpec(
-                    strings=tuple(action.option_strings),
-                    kind=KIND_FLAG,
-                    nargs=0,
-                    dest=action.dest,
-                )
-            )
-            continue
-        choices = tuple(str(c) for c in action.choices) if action.choices is not None else None
-        metavar = action.metavar if isinstance(action.metavar, str) else None
-        specs.append(
-            OptionSpec(
-                strings=tuple(action.option_strings),
-                kind=KIND_STORE,
-                nargs=action.nargs,
-                choices=choices,
-                metavar=metavar,
-                type=_type_name(action.type),
-                dest=action.dest,
-            )
-        )
-    return specs
 
 
 def add_specs(

@@ -30,7 +30,6 @@ class ChildConfig:
     max_running_requests: int
     context_length: int
     model_path: str
-    draft_model_path: str | None
     faults: Faults
     fake_gpu_dir: str | None = None
     cuda_visible_devices: str | None = None

@@ -28,7 +28,6 @@ class Faults:
     long_line_bytes: int = 0  # main writes one line this long
     escape_sequences: bool = False  # main writes a line of terminal escape sequences
     progress_bars: int = 0  # extra \r progress-bar updates while loading
-    malformed_chunk: str | None = None  # a stream's first event is `data: <this>`
 
     def has(self, load_crash: str) -> bool:
         return self.crash_on_load == load_crash
@@ -153,6 +152,5 @@ def faults_from_args(args: argparse.Namespace) -> Faults:
         invalid_utf8=args.standin_invalid_utf8,
         long_line_bytes=args.standin_long_line,
         progress_bars=args.standin_progress_bars,
-        malformed_chunk=args.standin_malformed_chunk,
         escape_sequences=args.standin_escape_sequences,
     )

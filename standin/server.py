@@ -46,8 +46,6 @@ from .tree import (
 from .versions import PROFILES, Profile
 from .warmup import warmup
 
-UVICORN_LOG_CONFIG: dict[str, Any] = {}
-
 
 def _uvicorn_log_config() -> dict[str, Any]:
     """uvicorn's config reformatted the way SGLang's set_uvicorn_logging_configs does."""

@@ -66,7 +66,6 @@ def resolve(args: Any, profile: Profile) -> ChildConfig:
         max_running_requests=max_running,
         context_length=getattr(args, "context_length", None) or 32768,
         model_path=args.model_path,
-        draft_model_path=args.speculative_draft_model_path,
         faults=faults_from_args(args),
         fake_gpu_dir=environ.get(fakegpu.ENV_DIR),
         cuda_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),

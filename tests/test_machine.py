@@ -1,41 +1,30 @@
-"""The machine without processes: a recording host takes its effects, the test plays the
-messages the host would post, edge by edge. Every row of `TRANSITIONS` and of `PHASES` is
-reached from some message, and nothing else is allowed."""
+"""The machine without processes: recording effects (`support/effects.py`) take what it asks
+of the world, the test plays the messages the host would post (`support/machine.py`'s
+`World`), edge by edge. Every row of `TRANSITIONS` and of `PHASES` is reached from some
+message, and nothing else is allowed. Swaps, rollback and probation: `test_machine_swaps.py`."""
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpuwarden.daemon.configs import ConfigStore, ResolvedConfig
 from gpuwarden.daemon.errors import CommandError
-from gpuwarden.daemon.listener import ListenerCheck
 from gpuwarden.daemon.machine import Machine
 from gpuwarden.daemon.messages import (
     BackoffElapsed,
     BootBegan,
     GpuWaitEnded,
     LineParsed,
-    ListenerChecked,
-    Message,
     PreviousServerStopped,
     ProbeFailed,
-    ProbeSucceeded,
-    RestartRequested,
-    ServerExited,
     ShutdownRequested,
-    Spawned,
     SpawnFailed,
     StartRequested,
-    StopRequested,
-    SweepFinished,
     TaskFailed,
 )
-from gpuwarden.daemon.model import Launch, PreviousServer, Swap
+from gpuwarden.daemon.model import PreviousServer
 from gpuwarden.daemon.preflight import PreflightResult
 from gpuwarden.daemon.sglanglines import ParsedLine
 from gpuwarden.daemon.states import (
@@ -48,142 +37,10 @@ from gpuwarden.daemon.states import (
     check_transition,
 )
 
-from .support.configs import make_settings, write_configs
-from .support.supervisor import FakeClock
+from .support.machine import FAST, World
 
 S = ServerState
 P = SwapPhase
-
-
-@dataclass
-class FakeChild:
-    """What the machine reads of a process (it never signals one itself: the host does)."""
-
-    pid: int
-    pgid: int = 0
-    create_time: float = 0.0
-
-
-@dataclass
-class FakeLog:
-    path: Path
-
-
-@dataclass
-class RecordingHost:
-    """Takes the machine's effects and keeps them, in order."""
-
-    calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
-    records: list[dict[str, Any]] = field(default_factory=list)
-
-    def record(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
-
-    def __getattr__(self, name: str) -> Any:
-        def effect(*args: Any, **kw: Any) -> None:
-            self.calls.append((name, (*args, *kw.values())))
-
-        return effect
-
-    def called(self, name: str) -> list[tuple[Any, ...]]:
-        return [args for n, args in self.calls if n == name]
-
-
-class World:
-    """A machine, its recording host, the configs it may run and a pid for each spawn."""
-
-    def __init__(self, root: Path, **settings: Any) -> None:
-        write_configs(root, {name: _config(port) for name, port in (("a", 18001), ("b", 18002))})
-        self.configs = ConfigStore(root / "configs")
-        self.host = RecordingHost()
-        self.clock = FakeClock()
-        self.root = root
-        self.m = Machine(make_settings(root, **settings), self.host, self.clock, random.Random(1))
-        # Each swap phase change the machine makes, kept.
-        self.phases: list[tuple[SwapPhase, SwapPhase]] = []
-        set_phase = self.m.swaps.set_phase
-
-        def recording(swap: Swap, new: SwapPhase) -> None:
-            old = swap.phase
-            set_phase(swap, new)
-            if old != new:
-                self.phases.append((old, new))
-
-        self.m.swaps.set_phase = recording  # type: ignore[method-assign]
-        self.pids = 1000
-        self.ticket = 0
-
-    def cfg(self, name: str) -> ResolvedConfig:
-        return self.configs.load(name)
-
-    def send(self, msg: Message) -> Any:
-        return self.m.handle(msg)
-
-    def edges(self) -> set[tuple[ServerState, ServerState]]:
-        return {(S(r["from"]), S(r["to"])) for r in self.host.records if r["event"] == "state"}
-
-    @property
-    def launch(self) -> Launch:
-        assert self.m.launch is not None
-        return self.m.launch
-
-    def next_ticket(self) -> int:
-        self.ticket += 1
-        return self.ticket
-
-    # -- what the host would post ------------------------------------------------------------
-
-    def start(self, name: str = "a", ok: bool = True) -> Any:
-        pre = PreflightResult(ok=ok, problems=[] if ok else ["port 18001 is taken"])
-        msg = StartRequested(
-            name, preflight=pre, resolved=self.cfg(name), ticket=self.next_ticket()
-        )
-        return self.send(msg)
-
-    def restart(self, name: str, **kw: Any) -> Any:
-        msg = RestartRequested(name, resolved=self.cfg(name), ticket=self.next_ticket(), **kw)
-        return self.send(msg)
-
-    def stop(self) -> Any:
-        return self.send(StopRequested(ticket=self.next_ticket()))
-
-    def gpus_free(self) -> None:
-        self.send(GpuWaitEnded(self.launch.gen, True))
-
-    def spawned(self) -> None:
-        self.pids += 1
-        self.send(Spawned(self.launch.gen, FakeChild(self.pids), FakeLog(self.root / "x.log")))
-
-    def ready(self) -> None:
-        self.send(ProbeSucceeded(self.launch.gen, "200 /health"))
-        self.send(ListenerChecked(self.launch.gen, "200 /health", ListenerCheck(True, "ours")))
-
-    def up(self, name: str = "a") -> None:
-        self.start(name)
-        self.gpus_free()
-        self.spawned()
-        self.ready()
-
-    def exits(self, code: int = 1) -> None:
-        gen = self.launch.gen
-        self.send(ServerExited(gen, code))
-        self.send(SweepFinished(gen, []))
-
-    def relaunch(self) -> None:
-        """The next attempt of a restart or swap, to a running server."""
-        self.gpus_free()
-        self.spawned()
-
-
-def _config(port: int) -> dict[str, Any]:
-    return {
-        "command": ["/bin/true"],
-        "args": {"model-path": "m", "port": port},
-        "health": {"startup_timeout_s": 30, "interval_s": 1, "timeout_s": 1, "failures": 2},
-    }
-
-
-FAST = {"restart": {"probation_s": 0}}
 
 
 # -- the state table ------------------------------------------------------------------------------

@@ -164,17 +164,6 @@ class LocalServer:
         else:
             self.protocol.on_exit = notify
 
-    def detach(self) -> None:
-        """Let go of the server without ending it: our pipe ends are dropped (its output is no
-        longer read here) and its exit is no longer reported."""
-        self.protocol.on_exit = None
-        for pipe in self.protocol.pipes:
-            with contextlib.suppress(Exception):
-                pipe.close()
-        for fd in self.protocol.unread:
-            os.close(fd)
-        self.protocol.unread = []
-
     def kill_group(self) -> None:
         """SIGKILL the whole process group (the server and the children still in it)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -8,6 +8,8 @@
 - daemon: `start_daemon` (`gpuwarden serve` as a process, listening) and `Daemon`, which follows
   it through its JSON log records and its HTTP API; `serve` and `gpuwarden` for other starts.
 - supervisor: `running` (the supervisor in-process) and `FakeClock`.
+- effects: `RecordingEffects`, the machine's `Effects` written out, each call recorded.
+- machine: `World`, a machine without processes and the messages a host would post to it.
 - http: raw sockets against the control plane, a `/logs/stream` client that never reads, a
   webhook `Receiver`.
 - gpu: `start_holder`, a foreign process holding memory on a fake GPU.
