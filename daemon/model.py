@@ -131,7 +131,8 @@ class Swap:
 
     @property
     def active(self) -> bool:
-        return self.outcome is None or self.phase == SwapPhase.ROLLING_BACK
+        """Not settled yet (its `outcome`, the answer, is set as it settles)."""
+        return self.phase != SwapPhase.DONE
 
     def view(self) -> dict[str, Any]:
         return {

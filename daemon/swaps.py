@@ -146,12 +146,11 @@ class Swaps:
         target_cfg = began.rollback_to if began is not None else None
         target = (began.rollback_name if began is not None else None) or last_good_config
         swap = began
-        if swap is None or swap.outcome is not None:  # its probation failed: a swap of its own
+        if swap is None or not swap.active:  # settled, and its probation failed: a swap of its own
             swap = Swap(
                 id=f"rollback-{seq}", from_config=failed, to_config=target or failed, is_swap=True
             )
             self.current = swap
-        swap.outcome = None
         swap.outcome_reason, swap.outcome_evidence = verdict.reason, verdict.evidence
         if not target or target == failed:
             return f"swap to {failed} failed and there is no last good config"
