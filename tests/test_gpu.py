@@ -10,6 +10,7 @@ from typing import Any
 
 from gpuwarden.daemon.gpu import render_gpu_table
 from gpuwarden.daemon.nvml import NvmlBackend
+from gpuwarden.daemon.states import ServerState
 
 from .support.configs import standin_config
 from .support.daemon import start_daemon
@@ -137,13 +138,11 @@ def test_an_nvml_error_keeps_the_last_snapshot_marked_stale() -> None:
 
 
 async def test_the_supervisor_survives_nvml_errors(tmp_path: Path, fake_gpu: Path) -> None:
-    from gpuwarden.daemon.states import ServerState as S  # noqa: PLC0415
-
     stub = StubNvml()
     async with running(tmp_path, NvmlBackend(module=stub), {"c": standin_config()}) as sup:
         await sup.start("c")
-        await sup.wait_for_state(S.READY, timeout=20)
+        await sup.wait_for_state(ServerState.READY, timeout=20)
         stub.fail = True
         await sup.wait_for(lambda s: s.status()["gpu_error"] == "NVML: Unknown Error", 10)
-        assert sup.machine.state == S.READY
+        assert sup.machine.state == ServerState.READY
         assert sup.status()["gpus"][0]["uuid"] == "GPU-1234"

@@ -39,10 +39,6 @@ from gpuwarden.daemon.states import (
 
 from .support.machine import FAST, World
 
-S = ServerState
-P = SwapPhase
-
-
 # -- the state table ------------------------------------------------------------------------------
 
 
@@ -126,7 +122,7 @@ def _every_edge(root: Path) -> set[tuple[ServerState, ServerState]]:
     w.spawned()  # it exists now: it is stopped at once
     assert w.host.called("terminate")
     w.exits(0)  # STOPPING -> STOPPED
-    assert w.m.state == S.STOPPED
+    assert w.m.state == ServerState.STOPPED
     seen |= w.edges()
     return seen
 
@@ -175,7 +171,7 @@ def _every_phase_edge(root: Path) -> set[tuple[SwapPhase, SwapPhase]]:
     w.exits(0)
     w.relaunch()
     w.exits(1)  # b's first start fails: back to a at once
-    assert w.m.state == S.WAITING_GPU and w.launch.config.name == "a"
+    assert w.m.state == ServerState.WAITING_GPU and w.launch.config.name == "a"
     w.relaunch()
     w.ready()
     assert w.m.swaps.current is not None and w.m.swaps.current.outcome is not None
@@ -212,7 +208,7 @@ def _every_phase_edge(root: Path) -> set[tuple[SwapPhase, SwapPhase]]:
     w.ready()
     assert w.launch.on_probation
     w.exits(1)
-    assert w.m.swaps.current is not None and w.m.swaps.current.phase == P.ROLLING_BACK
+    assert w.m.swaps.current is not None and w.m.swaps.current.phase == SwapPhase.ROLLING_BACK
     assert w.m.intent_config == "a"
     seen |= set(w.phases)
     return seen
@@ -245,11 +241,11 @@ async def test_a_crash_is_retried_after_the_backoff_with_the_config_read_again(
     w.up()
     gen = w.launch.gen
     w.exits(1)
-    assert w.m.state == S.BACKOFF and w.m.failures == 1
+    assert w.m.state == ServerState.BACKOFF and w.m.failures == 1
     [(delay, retry_gen, name)] = w.host.called("retry_after")
     assert retry_gen == gen and name == "a" and delay >= 0
     w.send(BackoffElapsed(gen, w.cfg("a")))
-    assert w.m.state == S.WAITING_GPU and w.m.restarts == 1
+    assert w.m.state == ServerState.WAITING_GPU and w.m.restarts == 1
     assert w.host.called("wait_for_gpus")[-1][0] is w.launch
 
 
@@ -261,7 +257,7 @@ async def test_a_stop_wins_over_a_start_asked_for_before_it(tmp_path: Path) -> N
     with pytest.raises(CommandError) as refused:
         w.send(msg)
     assert refused.value.error == "conflict"
-    assert w.m.state == S.STOPPED
+    assert w.m.state == ServerState.STOPPED
 
 
 async def test_a_death_line_ends_the_launch_at_once(tmp_path: Path) -> None:
@@ -269,7 +265,7 @@ async def test_a_death_line_ends_the_launch_at_once(tmp_path: Path) -> None:
     w.up()
     line = "[2026-01-01 00:00:00] Subprocess scheduler_0 (pid=9) crashed with exit code -9."
     w.send(LineParsed(w.launch.gen, ParsedLine(death=True), line))
-    assert w.m.state == S.STOPPING
+    assert w.m.state == ServerState.STOPPING
     assert w.host.called("kill_group")  # no grace: it is dead already
     assert not w.host.called("terminate")
 
@@ -278,9 +274,9 @@ async def test_a_shutdown_while_running_finishes_after_the_sweep(tmp_path: Path)
     w = World(tmp_path, **FAST)
     w.up()
     w.send(ShutdownRequested())
-    assert not w.m.finished and w.m.state == S.STOPPING
+    assert not w.m.finished and w.m.state == ServerState.STOPPING
     w.exits(0)
-    assert w.m.finished and w.m.state == S.STOPPED
+    assert w.m.finished and w.m.state == ServerState.STOPPED
     assert w.m.intent_running  # the saved intent is kept for the next life
 
 
@@ -288,7 +284,7 @@ async def test_a_sweep_step_for_the_config_already_ready_does_nothing(tmp_path: 
     w = World(tmp_path, **FAST)
     w.up()
     reply = w.restart("a", ensure=True)
-    assert reply["swap_id"] is None and w.m.state == S.READY
+    assert reply["swap_id"] is None and w.m.state == ServerState.READY
     assert w.m.swaps.current is None
 
 
@@ -298,9 +294,9 @@ async def test_a_lost_retry_task_fails_the_attempt_instead_of_waiting_for_ever(
     w = World(tmp_path, **FAST)
     w.up()
     w.exits(1)
-    assert w.m.state == S.BACKOFF
+    assert w.m.state == ServerState.BACKOFF
     w.send(TaskFailed("retry", w.launch.gen, "RuntimeError: cannot schedule new futures"))
-    assert w.m.state == S.FAILED
+    assert w.m.state == ServerState.FAILED
     assert (
         w.m.ledger.last_exit is not None and "retry task failed" in w.m.ledger.last_exit["evidence"]
     )
@@ -357,7 +353,7 @@ def test_boot_stops_the_previous_server_then_starts_the_saved_intent(tmp_path: P
     assert w.host.called("boot_start") == [("a", None)]
     assert w.m.ledger.history.entries()[0]["exit"]["reason"] == "requested_stop"
     _boot_start(w)
-    assert not w.m.booting.active and w.m.state == S.WAITING_GPU
+    assert not w.m.booting.active and w.m.state == ServerState.WAITING_GPU
 
 
 def test_a_stop_during_the_boot_wins_over_its_start(tmp_path: Path) -> None:
@@ -367,7 +363,7 @@ def test_a_stop_during_the_boot_wins_over_its_start(tmp_path: Path) -> None:
     assert w.m.intent_running is False and w.m.booting.active  # still stopping that server
     w.send(PreviousServerStopped(PREVIOUS, []))
     assert not w.m.booting.active and not w.host.called("boot_start")
-    assert w.m.state == S.STOPPED
+    assert w.m.state == ServerState.STOPPED
 
 
 def test_a_start_asked_once_the_previous_server_is_gone_replaces_the_boots(

@@ -15,7 +15,6 @@ from gpuwarden.daemon.states import ServerState, SwapPhase
 
 from .support.machine import FAST, World
 
-S = ServerState
 PROBATION = {"restart": {"probation_s": 60}}
 
 
@@ -24,9 +23,9 @@ def _swapped_in(w: World, name: str) -> str:
     executed (not ready yet). Its launch id."""
     w.restart(name)
     w.exits(0)
-    assert w.m.state == S.WAITING_GPU and w.launch.config.name == name
+    assert w.m.state == ServerState.WAITING_GPU and w.launch.config.name == name
     w.relaunch()
-    assert w.m.state == S.STARTING
+    assert w.m.state == ServerState.STARTING
     return w.launch.launch_id
 
 
@@ -47,9 +46,11 @@ def test_a_swap_whose_config_crashes_on_its_first_start_rolls_back_to_the_one_th
     failed = _swapped_in(w, "b")
     assert w.m.intent_config == "b"
     w.exits(1)  # b dies before it is ready: back to a at once, no backoff
-    assert w.m.state == S.WAITING_GPU and w.launch.config.name == "a" and w.launch.rollback
+    assert (
+        w.m.state == ServerState.WAITING_GPU and w.launch.config.name == "a" and w.launch.rollback
+    )
     assert (w.m.intent_config, w.m.intent_running) == ("a", True)
-    assert not w.host.called("retry_after") and S.BACKOFF not in {b for _, b in w.edges()}
+    assert not w.host.called("retry_after") and ServerState.BACKOFF not in {b for _, b in w.edges()}
     [rollback] = w.host.events("rollback")
     assert rollback["swap_id"] == w.swap.id
     assert (rollback["from_config"], rollback["to_config"]) == ("b", "a")
@@ -58,7 +59,7 @@ def test_a_swap_whose_config_crashes_on_its_first_start_rolls_back_to_the_one_th
     w.relaunch()
     back = w.launch.launch_id
     w.ready()
-    assert w.m.state == S.READY and w.launch.config.name == "a"
+    assert w.m.state == ServerState.READY and w.launch.config.name == "a"
     [outcome] = _settled(w)
     assert outcome == {
         "outcome": "rolled_back",
@@ -82,7 +83,7 @@ def test_a_swap_with_nothing_to_roll_back_to_goes_failed(tmp_path: Path) -> None
     assert reply["swap_id"] == w.swap.id
     w.relaunch()
     w.exits(1)
-    assert w.m.state == S.FAILED
+    assert w.m.state == ServerState.FAILED
     assert not w.host.events("rollback") and not w.host.called("retry_after")
     [outcome] = _settled(w)
     assert (outcome["outcome"], outcome["reason"], outcome["config"]) == ("failed", "crash", "b")
@@ -100,11 +101,13 @@ def test_a_swap_from_a_stopped_server_rolls_back_to_the_last_good_config_read_ah
     w.up("a")
     w.stop()
     w.exits(0)
-    assert w.m.state == S.STOPPED and w.m.last_good_config == "a"
+    assert w.m.state == ServerState.STOPPED and w.m.last_good_config == "a"
     w.restart("b", last_good=w.cfg("a"))
     w.relaunch()
     w.exits(1)
-    assert w.m.state == S.WAITING_GPU and w.launch.config.name == "a" and w.launch.rollback
+    assert (
+        w.m.state == ServerState.WAITING_GPU and w.launch.config.name == "a" and w.launch.rollback
+    )
 
     w = World(tmp_path / "unread", **FAST)
     w.up("a")
@@ -113,7 +116,7 @@ def test_a_swap_from_a_stopped_server_rolls_back_to_the_last_good_config_read_ah
     w.restart("b")  # last-good's config was not read with it (missing, invalid)
     w.relaunch()
     w.exits(1)
-    assert w.m.state == S.FAILED
+    assert w.m.state == ServerState.FAILED
     assert _settled(w)[-1]["outcome"] == "failed"
     assert "its rollback config a does not load" in w.host.events("state")[-1]["detail"]
 
@@ -137,7 +140,7 @@ def test_a_crash_inside_probation_rolls_back_with_a_swap_of_its_own(tmp_path: Pa
     assert swap.outcome == ready  # the swap that went ready stays so
     [rollback] = w.host.events("rollback")
     assert rollback["swap_id"] == own.id and rollback["reason"] == "crash"
-    assert w.m.state == S.WAITING_GPU and w.launch.config.name == "a"
+    assert w.m.state == ServerState.WAITING_GPU and w.launch.config.name == "a"
     assert w.m.intent_config == "a" and not w.host.called("retry_after")
     w.relaunch()
     w.ready()
@@ -163,7 +166,7 @@ def test_probation_passed_makes_the_swapped_in_config_last_good(tmp_path: Path) 
     [passed] = w.host.events("probation_passed")
     assert passed["probation_s"] == 60 and passed["config"] == "b"
     w.exits(1)  # past its probation, a crash is the restart policy's
-    assert w.m.state == S.BACKOFF and not w.host.events("rollback")
+    assert w.m.state == ServerState.BACKOFF and not w.host.events("rollback")
 
 
 def test_a_swap_begun_during_anothers_probation_passes_it_and_rolls_back_to_it(
@@ -189,7 +192,7 @@ def test_a_swap_begun_during_anothers_probation_passes_it_and_rolls_back_to_it(
     w.relaunch()
     w.ready()
     assert _settled(w)[-1]["outcome"] == "rolled_back"
-    assert (w.m.state, w.m.last_good_config) == (S.READY, "b")
+    assert (w.m.state, w.m.last_good_config) == (ServerState.READY, "b")
 
 
 # -- a stop during a swap -------------------------------------------------------------------------
@@ -201,7 +204,7 @@ def test_a_stop_during_a_swap_settles_it_failed_requested_stop(tmp_path: Path, w
     w.up("a")
     if when == "old config stopping":
         w.restart("b")
-        assert w.m.state == S.STOPPING
+        assert w.m.state == ServerState.STOPPING
     else:
         _swapped_in(w, "b")
     reply = w.stop()
@@ -210,7 +213,7 @@ def test_a_stop_during_a_swap_settles_it_failed_requested_stop(tmp_path: Path, w
     assert (outcome["outcome"], outcome["reason"]) == ("failed", "requested_stop")
     assert w.swap.phase == SwapPhase.DONE and w.m.intent_running is False
     w.exits(0)
-    assert w.m.state == S.STOPPED  # nothing follows: no relaunch, no rollback
+    assert w.m.state == ServerState.STOPPED  # nothing follows: no relaunch, no rollback
     assert not w.host.events("rollback") and len(_settled(w)) == 1
     assert w.m.swaps.rollbacks == 0
 
@@ -232,7 +235,7 @@ def test_a_sweeps_swaps_never_make_last_good(tmp_path: Path, probation_s: float)
         w.exits(0)
         w.relaunch()
         w.ready()
-        assert w.m.state == S.READY and w.launch.config.name == name
+        assert w.m.state == ServerState.READY and w.launch.config.name == name
         assert w.launch.on_probation == bool(probation_s)
         assert (w.m.last_good_config, w.m.last_good_launch) == ("a", first_a)
     if probation_s:

@@ -22,7 +22,7 @@ from gpuwarden.daemon.launchlog import RING_BYTES, RING_LINES
 from gpuwarden.daemon.policy import backoff_delay
 from gpuwarden.daemon.preflight import Preflight, PreflightResult
 from gpuwarden.daemon.server.reaper import TOKEN_ENV
-from gpuwarden.daemon.states import ServerState as S
+from gpuwarden.daemon.states import ServerState
 from gpuwarden.daemon.supervisor import Supervisor
 
 from .support.configs import FAST_RESTART, standin_config, write_configs
@@ -112,7 +112,7 @@ async def test_crash_after_ready_backs_off_with_growing_delays_then_resets_after
         expected = random.Random(7)
         settings = sup.settings.restart
         for n in (1, 2, 3):
-            await sup.wait_for_state(S.BACKOFF, timeout=20)
+            await sup.wait_for_state(ServerState.BACKOFF, timeout=20)
             delay = backoff_delay(settings, n, expected)
             assert sup.machine.next_retry_at == pytest.approx(clock.time() + delay)
             assert sup.machine.failures == n
@@ -120,14 +120,14 @@ async def test_crash_after_ready_backs_off_with_growing_delays_then_resets_after
             assert sup.machine.crash_loop is (n >= 3)
             clock.advance(delay - 0.01)
             await settle()
-            assert sup.machine.state == S.BACKOFF  # not a moment early
+            assert sup.machine.state == ServerState.BACKOFF  # not a moment early
             stable = standin_config()
             stable["args"]["port"] = flaky["args"]["port"]
             if n == 3:  # the operator fixes the config; the next attempt reads it
                 write_configs(tmp_path, {"flaky": stable})
             clock.advance(0.02)
-            await sup.wait_for_state(S.STARTING, S.WAITING_GPU, timeout=5)
-        await sup.wait_for_state(S.READY, timeout=20)
+            await sup.wait_for_state(ServerState.STARTING, ServerState.WAITING_GPU, timeout=5)
+        await sup.wait_for_state(ServerState.READY, timeout=20)
         assert sup.machine.failures == 3 and sup.machine.restarts == 3
         clock.advance(599)
         await settle()
@@ -147,7 +147,7 @@ async def test_max_failures_ends_in_failed(tmp_path: Path, fake_gpu: Path) -> No
         settings={"restart": {"max_failures": 2, "initial_delay_s": 0}},
     ) as sup:
         await sup.start("oom")
-        await sup.wait_for_state(S.FAILED, timeout=30)
+        await sup.wait_for_state(ServerState.FAILED, timeout=30)
         assert sup.machine.failures == 2
         assert (
             sup.machine.ledger.last_exit is not None
@@ -272,7 +272,7 @@ async def test_a_server_that_exits_within_its_first_slice_is_launched_then_ended
     ) as sup:
         await sup.start("quick")
         ex = await wait_event(sup, "exit")
-        await sup.wait_for_state(S.BACKOFF)
+        await sup.wait_for_state(ServerState.BACKOFF)
         assert (ex["code"], ex["reason"]) == (3, "crash"), ex
         # The machine heard of the process, then of its exit: it was starting, then stopping.
         transitions = [(e["from"], e["to"]) for e in events(sup, "state")]
@@ -302,7 +302,7 @@ async def test_port_in_use_is_recognised(tmp_path: Path, fake_gpu: Path) -> None
 async def test_external_sigkill_is_a_signal_exit(tmp_path: Path, fake_gpu: Path) -> None:
     async with running(tmp_path, fake_gpu, {"k": standin_config()}) as sup:
         await sup.start("k")
-        await sup.wait_for_state(S.READY, timeout=20)
+        await sup.wait_for_state(ServerState.READY, timeout=20)
         assert sup.machine.launch is not None and sup.machine.launch.child is not None
         import os  # noqa: PLC0415
 
@@ -352,7 +352,11 @@ async def test_log_dir_through_a_regular_file_is_log_unwritable(
         ex = await wait_event(sup, "exit")
         assert ex["reason"] == "log_unwritable"
         assert "cannot create the log" in ex["evidence"]
-        assert sup.machine.state in (S.BACKOFF, S.WAITING_GPU, S.FAILED)
+        assert sup.machine.state in (
+            ServerState.BACKOFF,
+            ServerState.WAITING_GPU,
+            ServerState.FAILED,
+        )
         assert not events(sup, "launch")  # nothing was launched without a log
         # The server was killed at its exec, before it did anything, and reaped.
         (launch,) = [la for la in launches if la.launch_id == ex["launch_id"]]
@@ -382,9 +386,9 @@ async def test_launch_waits_for_gpu_memory_then_starts(
     ) as sup:
         await sup.start("c")
         await wait_event(sup, "gpu_wait")
-        assert sup.machine.state == S.WAITING_GPU
+        assert sup.machine.state == ServerState.WAITING_GPU
         holder.signal(signal.SIGTERM)
-        await sup.wait_for_state(S.STARTING, S.READY, timeout=10)
+        await sup.wait_for_state(ServerState.STARTING, ServerState.READY, timeout=10)
 
 
 async def test_stop_during_backoff_goes_straight_to_stopped(tmp_path: Path, fake_gpu: Path) -> None:
@@ -393,9 +397,9 @@ async def test_stop_during_backoff_goes_straight_to_stopped(tmp_path: Path, fake
         tmp_path, fake_gpu, {"c": cfg}, settings={"restart": {"initial_delay_s": 60}}
     ) as sup:
         await sup.start("c")
-        await sup.wait_for_state(S.BACKOFF, timeout=20)
+        await sup.wait_for_state(ServerState.BACKOFF, timeout=20)
         await sup.stop()
-        assert sup.machine.state == S.STOPPED
+        assert sup.machine.state == ServerState.STOPPED
         transitions = [(e["from"], e["to"]) for e in events(sup, "state")]
         assert transitions[-1] == ("backoff", "stopped")
 
@@ -403,9 +407,9 @@ async def test_stop_during_backoff_goes_straight_to_stopped(tmp_path: Path, fake
 async def test_stop_during_start_cancels_it(tmp_path: Path, fake_gpu: Path) -> None:
     async with running(tmp_path, fake_gpu, {"slow": standin_config(scale=1.0)}) as sup:
         await sup.start("slow")
-        await sup.wait_for_state(S.STARTING, timeout=10)
+        await sup.wait_for_state(ServerState.STARTING, timeout=10)
         await sup.stop()
-        await sup.wait_for_state(S.STOPPED, timeout=20)
+        await sup.wait_for_state(ServerState.STOPPED, timeout=20)
         ex = events(sup, "exit")[-1]
         assert ex["reason"] == "requested_stop"
         assert ex["signal"] == signal.SIGTERM  # no handler while loading: died at once
@@ -420,13 +424,13 @@ async def test_flood_of_a_million_lines_reaches_the_file_with_the_ring_capped(
     async with running(tmp_path, fake_gpu, {"f": cfg}) as sup:
         done = line_seen(sup, "flood done")
         await sup.start("f")
-        await sup.wait_for_state(S.READY, timeout=20)
+        await sup.wait_for_state(ServerState.READY, timeout=20)
         assert sup.machine.launch is not None and sup.machine.launch.log is not None
         log = sup.machine.launch.log
 
         await asyncio.wait_for(done.wait(), 120)
         await sup.stop()
-        await sup.wait_for_state(S.STOPPED, timeout=20)
+        await sup.wait_for_state(ServerState.STOPPED, timeout=20)
         assert len(log.ring) <= RING_LINES
         assert log.ring.nbytes <= RING_BYTES
         with log.path.open("rb") as f:
@@ -439,13 +443,13 @@ async def test_arbitrary_output_never_breaks_supervision(tmp_path: Path, fake_gp
     async with running(tmp_path, fake_gpu, {"b": cfg}) as sup:
         seen = line_seen(sup, "long line")
         await sup.start("b")
-        await sup.wait_for_state(S.READY, timeout=20)
+        await sup.wait_for_state(ServerState.READY, timeout=20)
         await asyncio.wait_for(seen.wait(), 20)
         lines = views.ring_lines(sup.snapshot(), 50)
         assert any("invalid bytes: \ufffd\ufffd" in line for line in lines)
         long_line = next(line for line in lines if "long line" in line)
         assert long_line.endswith("[truncated; the log file has the whole line]")
-        assert sup.machine.state == S.READY
+        assert sup.machine.state == ServerState.READY
 
 
 # -- supervision never wedges ----------------------------------------------------------------------
@@ -482,18 +486,18 @@ async def test_a_helper_task_past_its_deadline_is_stuck_supervision(
     ) as sup:
         sup.host.sweep_deadline_s = 0.5  # before the supervisor's first step
         try:
-            await sup.wait_for_state(S.READY, timeout=30)
+            await sup.wait_for_state(ServerState.READY, timeout=30)
             assert sup.stuck() is None
             gpu.wedge.set()
             assert sup.machine.launch is not None and sup.machine.launch.child is not None
             sup.machine.launch.child.kill_group()
-            await sup.wait_for_state(S.STOPPING)
+            await sup.wait_for_state(ServerState.STOPPING)
             await asyncio.wait_for(_until(lambda: sup.stuck() is not None), 10)
             assert "after_exit task is" in (sup.stuck() or "")
             assert sup.status()["supervising"] is False
             gpu.wedge.clear()
             gpu.unwedge.set()
-            await sup.wait_for_state(S.READY, timeout=30)
+            await sup.wait_for_state(ServerState.READY, timeout=30)
             assert sup.stuck() is None
         finally:
             gpu.unwedge.set()  # else the shutdown would wait on the wedged snapshot
@@ -507,7 +511,7 @@ async def test_a_sweep_that_cannot_begin_is_an_internal_error_and_supervision_go
     and the exit is handled without it."""
     async with running(tmp_path, fake_gpu, {"f": standin_config()}) as sup:
         await sup.start("f")
-        await sup.wait_for_state(S.READY, timeout=20)
+        await sup.wait_for_state(ServerState.READY, timeout=20)
         host_task = sup.host.tasks.task
 
         def refuse_the_sweep(coro: Any, **kw: Any) -> Any:
@@ -522,7 +526,7 @@ async def test_a_sweep_that_cannot_begin_is_an_internal_error_and_supervision_go
         failed = await wait_event(sup, "internal_error", task="after_exit")
         assert "no task can be made" in failed["error"]
         assert (await wait_event(sup, "exit", launch_id=launch.launch_id))["reason"] == "signal"
-        await sup.wait_for_state(S.READY, timeout=20)
+        await sup.wait_for_state(ServerState.READY, timeout=20)
         assert sup.machine.launch is not None and sup.machine.launch.gen > launch.gen
 
 
@@ -549,7 +553,7 @@ async def test_a_spawn_cancelled_before_it_began_ends_its_server_and_is_an_inter
         assert "cancelled" in failed["error"]
         # SIGKILLed: gone once the kernel has run it to its end
         await asyncio.wait_for(_until(lambda: launch_processes(cancelled[0]) == []), 10)
-        await sup.wait_for_state(S.READY, timeout=20)
+        await sup.wait_for_state(ServerState.READY, timeout=20)
         assert sup.machine.launch is not None and sup.machine.launch.gen > cancelled[0].gen
 
 
@@ -588,7 +592,7 @@ async def test_a_long_backoff_is_still_saved_and_its_records_written(
         settings={"restart": {"initial_delay_s": 60}},
     ) as sup:
         await sup.start("c")
-        await sup.wait_for_state(S.BACKOFF, timeout=20)
+        await sup.wait_for_state(ServerState.BACKOFF, timeout=20)
         state = await file_says(
             tmp_path / "state" / "state.json",
             lambda d: d.get("failures") == 1 and d.get("current_launch") is None,
@@ -611,7 +615,7 @@ async def test_a_long_backoff_is_still_saved_and_its_records_written(
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
         kinds = [e["event"] for e in on_disk]
         assert "exit" in kinds and kinds.index("exit") < len(kinds) - 1
-        assert sup.machine.state == S.BACKOFF
+        assert sup.machine.state == ServerState.BACKOFF
 
 
 async def test_records_of_a_quick_relaunch_are_all_written_in_order(
@@ -625,7 +629,7 @@ async def test_records_of_a_quick_relaunch_are_all_written_in_order(
         settings={"restart": {**FAST_RESTART, "initial_delay_s": 0, "max_failures": 3}},
     ) as sup:
         await sup.start("c")
-        await sup.wait_for_state(S.FAILED, timeout=30)
+        await sup.wait_for_state(ServerState.FAILED, timeout=30)
     on_disk = [
         json.loads(line) for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()
     ]
