@@ -27,6 +27,7 @@ from .host import Host
 from .machine import Machine
 from .messages import Message, ShutdownRequested
 from .preflight import Preflight, PreflightResult
+from .probation import restart_outcome, swap_outcome
 from .redact import Redactor
 from .server import reaper
 from .settings import Settings
@@ -287,95 +288,26 @@ class Supervisor:
                 "config": cfg.name,
             }
         else:
-            outcome = await asyncio.shield(self.host.settled(reply["swap_id"]))
+            outcome = await self._settled(reply["swap_id"])
             if probation and outcome["outcome"] == "ready" and outcome["launch_ids"]:
                 if cfg.name == snap.current_config:
-                    outcome = await self._restart_probation(reply["swap_id"], outcome)
+                    outcome = await restart_outcome(
+                        self.machine, self._until, self.clock, reply["swap_id"], outcome
+                    )
                 else:
-                    outcome = await self._probation_outcome(reply["swap_id"], outcome)
+                    outcome = await swap_outcome(
+                        self.machine, self._until, self._settled, reply["swap_id"], outcome
+                    )
         # The state now, not the one at acceptance (which was stopping or waiting_gpu).
         return {**reply, **outcome, "state": str(self.snapshot().state)}
 
-    async def _probation_outcome(self, swap_id: str, ready: dict[str, Any]) -> dict[str, Any]:
-        """How the probation of the launch a swap brought up ended: it passed (the launch
-        became last-good, also when a later swap began while it served), it crashed (the
-        machine began a rollback swap of its own: its outcome), or a stop or the daemon's
-        shutdown ended it. Read after each handled message, so no ending is missed."""
-        launch_id = ready["launch_ids"][-1]
-        m = self.machine
+    async def _settled(self, swap_id: str) -> dict[str, Any]:
+        return await asyncio.shield(self.host.settled(swap_id))
 
-        def ended(_: Supervisor) -> bool:
-            return (
-                m.last_good_launch == launch_id
-                or (m.swaps.current is not None and m.swaps.current.id != swap_id)
-                or not m.intent_running
-                or m.finished
-            )
-
+    async def _until(self, predicate: Callable[[], bool]) -> None:
+        """Wake on every handled message until `predicate()` holds."""
         async with self._changed:
-            await self._changed.wait_for(lambda: ended(self))
-        if m.last_good_launch == launch_id:
-            probation_s = self.settings.restart.probation_s
-            evidence = f"{ready['config']} is ready and survived its probation ({probation_s:g} s)"
-            return {**ready, "evidence": evidence}
-        if (
-            m.swaps.current is not None
-            and m.swaps.current.id != swap_id
-            and m.intent_running
-            and not m.finished
-        ):
-            rollback = await asyncio.shield(self.host.settled(m.swaps.current.id))
-            launch_ids = [*ready["launch_ids"], *rollback["launch_ids"]]
-            return {**rollback, "swap_id": swap_id, "launch_ids": list(dict.fromkeys(launch_ids))}
-        if m.finished:
-            why = "the daemon shut down during its probation (it resumes at the next start)"
-        else:
-            why = "stopped on request during its probation"
-        return {**ready, "outcome": "failed", "reason": "requested_stop", "evidence": why}
-
-    async def _restart_probation(self, swap_id: str, ready: dict[str, Any]) -> dict[str, Any]:
-        """A restart of the current config is no swap (nothing rolls back: a crash follows the
-        restart policy), but waited for with probation its answer means the same: the launch
-        stayed up `probation_s` after ready. Answered `failed`, with the exit's reason, when
-        it ended before that; as `_probation_outcome` when a stop, a shutdown or another
-        restart ended the wait."""
-        launch_id = ready["launch_ids"][-1]
-        probation_s = self.settings.restart.probation_s
-        m = self.machine
-
-        def ended(_: Supervisor) -> bool:
-            exited = (m.ledger.last_exit or {}).get("launch_id") == launch_id
-            other = m.swaps.current is not None and m.swaps.current.id != swap_id
-            return exited or other or not m.intent_running or m.finished
-
-        async def watch() -> None:
-            async with self._changed:
-                await self._changed.wait_for(lambda: ended(self))
-
-        watcher = asyncio.ensure_future(watch())
-        timer = asyncio.ensure_future(self.clock.sleep(probation_s))
-        try:
-            await asyncio.wait((watcher, timer), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            timer.cancel()
-        name = ready["config"]
-        if not ended(self):
-            evidence = f"{name} is ready and survived its probation ({probation_s:g} s)"
-            return {**ready, "evidence": evidence}
-        last = m.ledger.last_exit or {}
-        if last.get("launch_id") == launch_id:
-            why = f"{name} crashed during its probation ({probation_s:g} s after ready)"
-            if last.get("evidence"):
-                why += f": {last['evidence']}"
-            return {**ready, "outcome": "failed", "reason": last.get("reason"), "evidence": why}
-        if m.finished:
-            why = "the daemon shut down during its probation"
-        elif not m.intent_running:
-            why = "stopped on request during its probation"
-        else:
-            why = "another restart or swap began during its probation"
-        return {**ready, "outcome": "failed", "reason": "requested_stop", "evidence": why}
+            await self._changed.wait_for(predicate)
 
     async def shutdown(self) -> None:
         """Stop the server (the saved intent is kept) and end `run`."""
