@@ -59,6 +59,7 @@ from .tasks import Tasks
 
 if TYPE_CHECKING:
     from .effects import ServerHandle, ServerLog
+    from .gpustate import KnownOurs
     from .model import Launch, PreviousServer
     from .preflight import Preflight
     from .views import Snapshot
@@ -138,7 +139,7 @@ class Host:
     def overdue(self) -> str | None:
         return self.tasks.overdue()
 
-    def wait_for_gpus(self, launch: Launch) -> None:
+    def wait_for_gpus(self, launch: Launch, known_ours: KnownOurs, unresolved: bool) -> None:
         self.gpus.wait_for_gpus(launch)
 
     def cancel_gpu_wait(self) -> None:
@@ -418,7 +419,7 @@ class Host:
 
     # -- after an exit ---------------------------------------------------------------------------
 
-    def sweep(self, launch: Launch) -> None:
+    def sweep(self, launch: Launch, known_ours: KnownOurs, unresolved: bool) -> None:
         # Right after this turn, whose records (the exit's notice) go out first.
         asyncio.get_running_loop().call_soon(self._sweep, launch)
 
