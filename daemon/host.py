@@ -1,17 +1,14 @@
-"""The host: the one seam every side effect of the machine leaves through, a facade over its
-parts, one concern each: the launch (`launching.py`), the sweep after an exit
-(`exitsweep.py`), probes and the listener check (`probing.py`), the GPUs (`gpuwatch.py`), the
-retry after an exit (`retrying.py`), records and the state file (`records.py`), and the
-tasks all of them run in (`tasks.py`).
+"""The host: the one seam every side effect of the machine leaves through, a facade over parts
+of one concern each: the launch (`launching.py`), the sweep after an exit (`exitsweep.py`),
+probes (`probing.py`), the GPUs (`gpuwatch.py`), the retry (`retrying.py`), records and the
+state file (`records.py`), and the tasks they all run in (`tasks.py`).
 
 The machine calls these methods while it decides; each returns at once. What takes time runs
-in a task of a part, which posts its outcome to the inbox as a message. An outcome known
-without waiting (a sweep with nothing to sweep, GPUs free at the first look of a backend that
-answers at once, no backoff and an unchanged config) is posted at once, in the same form: the
-machine cannot tell the two apart, and a relaunch takes no task's turns of the loop on its way
-to the exec. Tasks that belong to one launch live and die with it (`end_tasks`); every task's
-failure is posted (`TaskFailed`), never lost; the ones with a deadline make supervision count
-as stuck when they overrun it.
+in a part's task, which posts its outcome to the inbox as a message; an outcome known without
+waiting (nothing to sweep, GPUs free at the first look, no backoff and an unchanged config) is
+posted at once, in the same form, so a relaunch takes no task's turns of the loop on its way
+to the exec. A launch's tasks live and die with it (`end_tasks`); every task's failure is
+posted (`TaskFailed`); one that overruns its deadline makes supervision count as stuck.
 """
 
 from __future__ import annotations
