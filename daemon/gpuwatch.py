@@ -1,6 +1,8 @@
 """The host's GPU side: the wait for a launch's GPUs to be free (killing orphans of ours that
 hold them, never a foreign holder), and the once-a-second sample of every GPU and the running
-launch's process tree that the machine attributes and watches ranks with.
+launch's process tree that the machine attributes and watches ranks with. Which holders are
+ours comes with the machine's calls (its own mapping, read on the loop when a kill is
+decided); the sample, which runs on its own, asks `sample_target` what it is of.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpuwarden.daemon import logsetup
 
@@ -16,47 +18,59 @@ from . import ownership
 from .gpu import GpuBackend
 from .gpustate import GpuSnapshot, busy_gpus, describe_busy
 from .messages import EventNoted, GpuSampled, GpuWaitEnded, Message, OrphansKilled
-from .settings import Settings
-from .states import ServerState
+from .settings import GpuSettings
 from .tasks import Tasks
 
 if TYPE_CHECKING:
+    from .gpustate import KnownOurs
     from .model import Launch
-    from .views import Snapshot
 
 log = logsetup.get_logger("gpuwarden.supervisor")
 GPU_POLL_S = 1.0
+
+
+class SampleTarget(NamedTuple):
+    """What the once-a-second sample is of, as the machine last said."""
+
+    gen: int  # the machine's launch, whose tag the sample carries
+    pid: int | None  # its server's main process, while it runs
+    watching_ranks: bool  # its ranks are watched: its tree is walked at every sample
+    unresolved_noted: bool  # holders' pids from another namespace were noted already
+    waiting: bool  # the GPU wait samples faster on its own: no sample now
 
 
 class GpuWatch:
     def __init__(
         self,
         *,
-        settings: Settings,
+        settings: GpuSettings,
         gpu: GpuBackend,
         tasks: Tasks,
         post: Callable[[Message], None],
-        view: Callable[[], Snapshot],
+        sample_target: Callable[[], SampleTarget],
         sweep_deadline_s: float,
     ) -> None:
-        self.settings, self.gpu, self.tasks, self.post, self.view = settings, gpu, tasks, post, view
+        self.settings, self.gpu, self.tasks, self.post = settings, gpu, tasks, post
+        self.sample_target = sample_target
         self.clock = tasks.clock
         self.sweep_deadline_s = sweep_deadline_s  # a sweep's orphan kills, within the wait's
         self._gpu_task: asyncio.Task[Any] | None = None
 
-    def wait_for_gpus(self, launch: Launch) -> None:
+    def wait_for_gpus(self, launch: Launch, known_ours: KnownOurs, unresolved: bool) -> None:
+        """Post `GpuWaitEnded` once the launch's GPUs are free, killing the holders among them
+        that are ours (`known_ours`; `unresolved`: NVML's pids are of another namespace)."""
         snap = self.gpu_snapshot_now()
         if snap is not None and not busy_gpus(
-            snap, launch.config.gpus, self.settings.gpu.busy_above_mib
+            snap, launch.config.gpus, self.settings.busy_above_mib
         ):
             # Free at the first look, with a backend that answers at once: no wait to run.
             self._gpu_task = None
             self.post(GpuSampled(launch.gen, snap, frozenset()))
             self.post(GpuWaitEnded(launch.gen, True))
             return
-        deadline = self.settings.gpu.release_timeout_s + self.sweep_deadline_s
+        deadline = self.settings.release_timeout_s + self.sweep_deadline_s
         self._gpu_task = self.tasks.task(
-            self._wait_for_gpus(launch), gen=launch.gen, deadline_s=deadline
+            self._wait_for_gpus(launch, known_ours, unresolved), gen=launch.gen, deadline_s=deadline
         )
 
     def cancel_gpu_wait(self) -> None:
@@ -64,8 +78,8 @@ class GpuWatch:
             self._gpu_task.cancel()
             self._gpu_task = None
 
-    async def _wait_for_gpus(self, launch: Launch) -> None:
-        cfg = self.settings.gpu
+    async def _wait_for_gpus(self, launch: Launch, known_ours: KnownOurs, unresolved: bool) -> None:
+        cfg = self.settings
         deadline = self.clock.monotonic() + cfg.release_timeout_s
         announced = False
         while True:
@@ -75,7 +89,8 @@ class GpuWatch:
             if not busy:
                 self.post(GpuWaitEnded(launch.gen, True))
                 return
-            await self.kill_gpu_orphans(busy)
+            running = launch.child.pid if launch.running and launch.child is not None else None
+            await self.kill_gpu_orphans(busy, running, known_ours, unresolved)
             if not announced:
                 announced = True
                 self.post(EventNoted("gpu_wait", {"detail": describe_busy(busy)}))
@@ -84,13 +99,14 @@ class GpuWatch:
                 return
             await self.clock.sleep(cfg.poll_interval_s)
 
-    async def kill_gpu_orphans(self, gpus: list[Any]) -> list[dict[str, Any]]:
+    async def kill_gpu_orphans(
+        self, gpus: list[Any], running: int | None, known_ours: KnownOurs, unresolved: bool
+    ) -> list[dict[str, Any]]:
+        """Kill the holders on `gpus` that are ours (`known_ours`) but not the running server's
+        main process (`running`), and post what was killed."""
         if not any(g.processes for g in gpus):
-            return []  # the common case after an exit: no view taken on the restart path
-        view = self.view()
-        killed = await ownership.kill_gpu_orphans(
-            gpus, view.pid, view.known_ours, view.gpu_pids_unresolved
-        )
+            return []  # the common case after an exit
+        killed = await ownership.kill_gpu_orphans(gpus, running, known_ours, unresolved)
         if killed:
             self.post(OrphansKilled(killed))
         return killed
@@ -124,7 +140,7 @@ class GpuWatch:
         some GPU lists a process, so status marks the server's holders from the first sample."""
         with contextlib.suppress(Exception):
             snap = await asyncio.to_thread(self.gpu.snapshot)
-            pid = self.view().pid
+            pid = self.sample_target().pid
             tree: frozenset[tuple[int, float]] = frozenset()
             if pid is not None and any(g.processes for g in snap.gpus):
                 tree = await asyncio.to_thread(ownership.launch_tree, pid)
@@ -137,20 +153,20 @@ class GpuWatch:
         """Once a second: a GPU snapshot and the running launch's process tree, posted to the
         owner (which attributes holders, notes ranks at ready and notices a lost rank)."""
         while True:
-            view = self.view()
-            if view.state != ServerState.WAITING_GPU:  # the wait polls faster on its own
+            target = self.sample_target()
+            if not target.waiting:  # the wait polls faster on its own
                 try:
                     snap = await self.gpu_snapshot()
                     tree: frozenset[tuple[int, float]] = frozenset()
                     holders = any(g.processes for g in snap.gpus)
                     # The tree walk reads /proc: only worth it when some GPU lists a process, or
                     # when ranks are watched (a lost rank shows as a GPU that lists none).
-                    if (holders or view.watching_ranks) and view.pid is not None:
-                        tree = await asyncio.to_thread(ownership.launch_tree, view.pid)
+                    if (holders or target.watching_ranks) and target.pid is not None:
+                        tree = await asyncio.to_thread(ownership.launch_tree, target.pid)
                     unresolved: tuple[int, ...] = ()
-                    if holders and self.gpu.name == "nvml" and not view.gpu_pids_unresolved:
+                    if holders and self.gpu.name == "nvml" and not target.unresolved_noted:
                         unresolved = ownership.unresolved_pids(snap.gpus)
-                    self.post(GpuSampled(view.gen, snap, tree, unresolved))
+                    self.post(GpuSampled(target.gen, snap, tree, unresolved))
                 except Exception:
                     log.exception("gpu.poll_failed")
             await self.tasks.real.sleep(GPU_POLL_S)

@@ -492,7 +492,9 @@ class Machine:
         if self.state != ServerState.WAITING_GPU:
             # STOPPED|STOPPING|BACKOFF|FAILED -> WAITING_GPU
             self.transition(ServerState.WAITING_GPU, config=cfg.name)
-        self.host.wait_for_gpus(self.launch)
+        self.host.wait_for_gpus(
+            self.launch, self.ledger.known_ours, self.ledger.gpu_pids_unresolved
+        )
 
     def on_gpu_wait_ended(self, msg: GpuWaitEnded) -> None:
         launch = self.current(msg.gen)
@@ -782,7 +784,7 @@ class Machine:
             self.transition(
                 ServerState.STOPPING, returncode=msg.returncode, detail="the server exited"
             )
-        self.host.sweep(launch)
+        self.host.sweep(launch, self.ledger.known_ours, self.ledger.gpu_pids_unresolved)
 
     def on_sweep_finished(self, msg: SweepFinished) -> None:
         launch = self.current(msg.gen)

@@ -22,6 +22,7 @@ from .clock import Clock, SystemClock
 from .configs import ConfigStore
 from .errors import CommandError
 from .gpu import GpuBackend
+from .gpuwatch import SampleTarget
 from .health import HttpProber, Prober
 from .host import Host
 from .machine import Machine
@@ -86,7 +87,7 @@ class Supervisor:
             preflight=self.preflight,
             clock=self.clock,
             post=self.post,
-            view=self.snapshot,
+            sample_target=self._sample_target,
         )
         self.machine = Machine(settings, self.host, self.clock, rng or random.Random())
         self.line_listeners = self.host.line_listeners
@@ -338,6 +339,17 @@ class Supervisor:
         if self._snapshot is None:
             self._snapshot = views.take(self.machine)
         return self._snapshot
+
+    def _sample_target(self) -> SampleTarget:
+        """What the once-a-second GPU sample is of, as of the last handled message."""
+        snap = self.snapshot()
+        return SampleTarget(
+            gen=snap.gen,
+            pid=snap.pid,
+            watching_ranks=snap.watching_ranks,
+            unresolved_noted=snap.gpu_pids_unresolved,
+            waiting=snap.state == ServerState.WAITING_GPU,
+        )
 
     async def wait_for(self, predicate: Callable[[Supervisor], bool], timeout: float) -> None:
         """Wake on every handled message until `predicate(self)` holds."""

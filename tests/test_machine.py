@@ -308,7 +308,7 @@ def test_the_tasks_the_machine_recovers_from_are_the_hosts_own() -> None:
     import inspect  # noqa: PLC0415
     import re  # noqa: PLC0415
 
-    from gpuwarden.daemon import boot, gpuwatch, host  # noqa: PLC0415
+    from gpuwarden.daemon import host  # noqa: PLC0415
 
     recovery = inspect.getsource(Machine.on_task_failed)
     looked_for = set(re.findall(r'"([a-z_]+)"', " ".join(re.findall(r"msg\.name[^:]+:", recovery))))
@@ -318,7 +318,11 @@ def test_the_tasks_the_machine_recovers_from_are_the_hosts_own() -> None:
         source = inspect.getsource(module)
         return {n.lstrip("_") for n in re.findall(r"async def (\w+)\(", source)}
 
-    runs = task_names(host) | task_names(gpuwatch) | task_names(boot)
+    # The host and what it is composed of: the modules of its parts, and boot.py's.
+    composed = [inspect.getmodule(v) for v in vars(host).values() if inspect.isclass(v)]
+    modules = {host, *composed, *(v for v in vars(host).values() if inspect.ismodule(v))}
+    ours = [m for m in modules if m is not None and m.__name__.startswith("gpuwarden.daemon.")]
+    runs = set().union(*(task_names(m) for m in ours))
     assert looked_for <= runs, f"recovered but never run: {sorted(looked_for - runs)}"
 
 

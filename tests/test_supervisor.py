@@ -484,7 +484,7 @@ async def test_a_helper_task_past_its_deadline_is_stuck_supervision(
         settings={"default_config": "f"},
         preflight=PassPreflight(),
     ) as sup:
-        sup.host.sweep_deadline_s = 0.5  # before the supervisor's first step
+        sup.host.exit_sweep.deadline_s = 0.5  # before the supervisor's first step
         try:
             await sup.wait_for_state(ServerState.READY, timeout=30)
             assert sup.stuck() is None
@@ -648,7 +648,7 @@ async def test_the_newest_save_behind_a_write_under_way_is_written_at_close(
     queued behind it is written after it, not dropped."""
     gate, started = threading.Event(), threading.Event()
     async with running(tmp_path, fake_gpu, {}) as sup:
-        store = sup.host.store
+        store = sup.store
         real = store.save
 
         def slow(data: dict[str, Any]) -> str | None:

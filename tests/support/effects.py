@@ -11,6 +11,7 @@ from gpuwarden.daemon.effects import Effects
 
 if TYPE_CHECKING:
     from gpuwarden.daemon.effects import ServerHandle, ServerLog
+    from gpuwarden.daemon.gpustate import KnownOurs
     from gpuwarden.daemon.messages import Message
     from gpuwarden.daemon.model import Launch, PreviousServer
 
@@ -40,8 +41,8 @@ class RecordingEffects:
         self._note("record", record)
         self.records.append(record)
 
-    def wait_for_gpus(self, launch: Launch) -> None:
-        self._note("wait_for_gpus", launch)
+    def wait_for_gpus(self, launch: Launch, known_ours: KnownOurs, unresolved: bool) -> None:
+        self._note("wait_for_gpus", launch, known_ours, unresolved)
 
     def cancel_gpu_wait(self) -> None:
         self._note("cancel_gpu_wait")
@@ -73,8 +74,8 @@ class RecordingEffects:
     def check_listener(self, launch: Launch, how: str) -> None:
         self._note("check_listener", launch, how)
 
-    def sweep(self, launch: Launch) -> None:
-        self._note("sweep", launch)
+    def sweep(self, launch: Launch, known_ours: KnownOurs, unresolved: bool) -> None:
+        self._note("sweep", launch, known_ours, unresolved)
 
     def close_launch(self, launch: Launch, note: str) -> None:
         self._note("close_launch", launch, note)
