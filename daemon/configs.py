@@ -23,17 +23,8 @@ from gpuwarden.standin.argspec import split_command
 
 from . import errors
 from .configschema import ServerConfig, build_argv
-from .redact import (
-    MASK,
-    ArgvSecrets,
-    Redactor,
-    argv_secrets,
-    longest_first,
-    mask_url_passwords,
-    redact_env,
-    secret_values,
-    url_passwords,
-)
+from .launchsecrets import ArgvSecrets, argv_secrets, redact_env, secret_values
+from .redact import MASK, Redactor, longest_first, mask_url_passwords, url_passwords
 from .safefile import YamlLimit, load_yaml, read_regular_text
 
 # A config is a few hundred lines; anything near this is a mistake or an attack.

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from gpuwarden.daemon.configs import ConfigError, ConfigNotFound, ConfigStore, option_value
 from gpuwarden.daemon.configschema import build_argv
-from gpuwarden.daemon.redact import argv_secrets
+from gpuwarden.daemon.launchsecrets import argv_secrets
 from gpuwarden.daemon.settings import SettingsError, load_settings
 from gpuwarden.standin.argspec import OptionSpec, add_specs
 
