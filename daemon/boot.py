@@ -22,7 +22,8 @@ from .store import secret_salt
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from .configs import ConfigStore, ResolvedConfig
+    from .configs import ConfigStore
+    from .resolvedconfig import ResolvedConfig
     from .store import StateStore
 
 BOOT_DEADLINE_S = 300.0  # the boot's config read and preflight (two introspections at most)

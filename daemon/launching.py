@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .clock import Clock
-from .configs import redacted_header_lines
 from .launchlog import LaunchLog, LogUnwritable
 from .messages import (
     LineParsed,
@@ -29,6 +28,7 @@ from .messages import (
     WriteHealthChanged,
 )
 from .model import utc_iso
+from .resolvedconfig import redacted_header_lines
 from .server import local
 from .sglanglines import Finding, ParsedLine
 from .tasks import Tasks

@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     import random
 
     from .clock import Clock
-    from .configs import ResolvedConfig
+    from .resolvedconfig import ResolvedConfig
     from .settings import Settings
 
 

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 from .sglanglines import ParsedLine
 
 if TYPE_CHECKING:
-    from .configs import ResolvedConfig
     from .effects import ServerHandle, ServerLog
     from .gpustate import GpuSnapshot
     from .listener import ListenerCheck
     from .model import PreviousServer
     from .preflight import PreflightResult
+    from .resolvedconfig import ResolvedConfig
 
 
 # -- commands (from the API, the CLI through the API, and the daemon itself) ----------------------

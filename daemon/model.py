@@ -17,9 +17,9 @@ from .sglanglines import Finding
 from .states import SwapPhase
 
 if TYPE_CHECKING:
-    from .configs import ResolvedConfig
     from .effects import ServerHandle, ServerLog
     from .policy import Classification
+    from .resolvedconfig import ResolvedConfig
 
 MAX_FINDINGS = 200
 

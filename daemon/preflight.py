@@ -21,8 +21,8 @@ from typing import Any
 
 from gpuwarden.standin.argspec import add_specs, split_command
 
-from .configs import ResolvedConfig
 from .redact import Redactor
+from .resolvedconfig import ResolvedConfig
 from .serverparser import ParserSpec, ServerParsers, known_server
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 
 from . import errors
-from .configs import ConfigError, ConfigStore, ResolvedConfig
+from .configs import ConfigError, ConfigStore
 from .errors import CommandError
 from .preflight import PreflightResult
+from .resolvedconfig import ResolvedConfig
 
 
 async def resolve(configs: ConfigStore, name: str | None) -> ResolvedConfig:

@@ -28,7 +28,7 @@ from gpuwarden.standin.argspec import (
     split_command,
 )
 
-from .configs import ResolvedConfig
+from .resolvedconfig import ResolvedConfig
 from .server.helpers import run_helper
 
 INTROSPECT_TIMEOUT_S = 120.0

@@ -18,8 +18,8 @@ from .model import Launch, Swap
 from .states import SwapPhase, check_phase
 
 if TYPE_CHECKING:
-    from .configs import ResolvedConfig
     from .policy import Classification
+    from .resolvedconfig import ResolvedConfig
 
 
 class Swaps:

@@ -13,9 +13,10 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwarden.daemon.configs import ConfigError, ConfigNotFound, ConfigStore, option_value
+from gpuwarden.daemon.configs import ConfigError, ConfigNotFound, ConfigStore
 from gpuwarden.daemon.configschema import build_argv
 from gpuwarden.daemon.launchsecrets import argv_secrets
+from gpuwarden.daemon.resolvedconfig import option_value
 from gpuwarden.daemon.settings import SettingsError, load_settings
 from gpuwarden.standin.argspec import OptionSpec, add_specs
 

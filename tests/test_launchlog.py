@@ -10,9 +10,10 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwarden.daemon.configs import ConfigStore, redacted_header_lines
+from gpuwarden.daemon.configs import ConfigStore
 from gpuwarden.daemon.launchlog import LaunchLog, LogCursor, LogFeed, LogUnwritable, Ring
 from gpuwarden.daemon.logfiles import prune_logs, read_tail
+from gpuwarden.daemon.resolvedconfig import redacted_header_lines
 from gpuwarden.daemon.sglanglines import ParsedLine, parse_line
 
 DECODE = {

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuwarden.daemon.configs import SGLANG_DEFAULT_PORT, ConfigStore
+from gpuwarden.daemon.configs import ConfigStore
 from gpuwarden.daemon.preflight import Preflight, check_port
+from gpuwarden.daemon.resolvedconfig import SGLANG_DEFAULT_PORT
 from gpuwarden.daemon.serverparser import ServerParsers
 
 from .support.daemon import start_daemon

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuwarden.daemon.configs import ConfigStore, redacted_header_lines
+from gpuwarden.daemon.configs import ConfigStore
 from gpuwarden.daemon.launchsecrets import argv_secrets, secret_values, sglang_option_strings
 from gpuwarden.daemon.redact import MASK, Fingerprints, Redactor, fingerprints
+from gpuwarden.daemon.resolvedconfig import redacted_header_lines
 from gpuwarden.daemon.secretnames import is_secret_name, is_secret_option
 from gpuwarden.standin.argspec import OptionSpec, add_specs
 

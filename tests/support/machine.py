@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuwarden.daemon.configs import ConfigStore, ResolvedConfig
+from gpuwarden.daemon.configs import ConfigStore
 from gpuwarden.daemon.listener import ListenerCheck
 from gpuwarden.daemon.machine import Machine
 from gpuwarden.daemon.messages import (
@@ -27,6 +27,7 @@ from gpuwarden.daemon.messages import (
 )
 from gpuwarden.daemon.model import Launch, Swap
 from gpuwarden.daemon.preflight import PreflightResult
+from gpuwarden.daemon.resolvedconfig import ResolvedConfig
 from gpuwarden.daemon.states import ServerState, SwapPhase
 
 from .configs import make_settings, write_configs
