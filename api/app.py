@@ -29,7 +29,7 @@ from gpuwarden.api.guard import Guard, policy_for
 from gpuwarden.api.models import errors
 from gpuwarden.daemon import errors as refusals
 from gpuwarden.daemon.errors import CommandError
-from gpuwarden.daemon.launchlog import LogFeed
+from gpuwarden.daemon.logring import LogFeed
 from gpuwarden.daemon.settings import Settings
 from gpuwarden.daemon.supervisor import Supervisor
 from gpuwarden.daemon.sweep import SweepManager

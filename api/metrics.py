@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from gpuwarden.daemon.launchlog import LogFeed
+from gpuwarden.daemon.logring import LogFeed
 from gpuwarden.daemon.messages import ServerFiguresRead
 from gpuwarden.daemon.policy import REASONS
 from gpuwarden.daemon.states import ServerState

@@ -20,8 +20,8 @@ from gpuwarden.api.models import errors
 from gpuwarden.daemon import history as launches
 from gpuwarden.daemon import logsetup
 from gpuwarden.daemon.errors import CommandError
-from gpuwarden.daemon.launchlog import LogCursor, LogFeed
 from gpuwarden.daemon.logfiles import read_tail
+from gpuwarden.daemon.logring import LogCursor, LogFeed
 from gpuwarden.daemon.supervisor import Supervisor
 
 router = APIRouter(tags=["logs"])

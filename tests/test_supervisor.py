@@ -18,7 +18,7 @@ import pytest
 from gpuwarden.daemon import views
 from gpuwarden.daemon.gpu import FakeGpuBackend
 from gpuwarden.daemon.health import ProbeResult
-from gpuwarden.daemon.launchlog import RING_BYTES, RING_LINES
+from gpuwarden.daemon.logring import RING_BYTES, RING_LINES
 from gpuwarden.daemon.policy import backoff_delay
 from gpuwarden.daemon.preflight import Preflight, PreflightResult
 from gpuwarden.daemon.server.reaper import TOKEN_ENV
