@@ -34,7 +34,6 @@ PARSER_KNOWN_MODULES = frozenset({"sglang.launch_server", "gpuwarden.standin"})
 SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "ash"})
 _ENV_ASSIGNMENT = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)=(?P<val>.*)$", re.DOTALL)
 _SHELL_OPERATOR = re.compile(r"^[;&|()<>]+$")
-_FLAG_VALUE = object()  # marks an arg that is wholly a secret flag's value
 
 
 @cache
