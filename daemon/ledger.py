@@ -16,6 +16,7 @@ from .gpustate import GpuSnapshot
 from .history import LaunchHistory
 from .model import Launch, utc_iso
 from .policy import Classification, describe_returncode
+from .redact import fingerprints
 
 if TYPE_CHECKING:
     from .clock import Clock
@@ -59,6 +60,23 @@ class Ledger:
     ) -> None:
         """The records of the daemon's previous life, read back at its boot."""
         self.history, self.last_exit, self.known_ours = history, last_exit, dict(known_ours)
+
+    def launch_started(self, launch: Launch, pid: int, log_file: str) -> None:
+        """Every launch is on record from its start; its exit fills in. Its secrets are kept
+        by keyed digest, never in clear: its log stays masked after the config's secrets
+        change (`views.redactor_for`)."""
+        record: dict[str, object] = {
+            "launch_id": launch.launch_id,
+            "config": launch.config.name,
+            "pid": pid,
+            "started_at": utc_iso(launch.started_at),
+            "ready_at": None,
+            "log_file": log_file,
+            "exit": None,
+        }
+        if self.secret_salt is not None:
+            record["secrets"] = fingerprints(self.secret_salt, launch.redactor.secrets)
+        self.history.started(record)
 
     # -- exits ------------------------------------------------------------------------------------
 

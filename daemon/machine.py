@@ -58,7 +58,7 @@ from .messages import (
 )
 from .model import Launch, Next, utc_iso, utc_stamp
 from .policy import NOT_RETRIED, Classification, backoff_delay, classify_exit
-from .redact import Redactor, fingerprints
+from .redact import Redactor
 from .sglanglines import decode_metrics, strip_prefix
 from .states import RUNNING_STATES, ServerState, SwapPhase, check_transition
 from .swaps import Swaps
@@ -534,21 +534,7 @@ class Machine:
             self.swaps.spawned(launch.swap, launch.launch_id)
         launch.started_at, launch.started_mono = self.clock.time(), self.clock.monotonic()
         path = str(msg.log.path)
-        record: dict[str, object] = {
-            "launch_id": launch.launch_id,
-            "config": launch.config.name,
-            "pid": msg.server.pid,
-            "started_at": utc_iso(launch.started_at),
-            "ready_at": None,
-            "log_file": path,
-            "exit": None,
-        }
-        if self.ledger.secret_salt is not None:
-            # Its secrets by keyed digest, never in clear: its log stays masked after the
-            # config's secrets change (views.redactor_for).
-            record["secrets"] = fingerprints(self.ledger.secret_salt, launch.redactor.secrets)
-        # Every launch is on record from its start; the exit fills in
-        self.ledger.history.started(record)
+        self.ledger.launch_started(launch, msg.server.pid, path)
         self.persist()
         if self.state == ServerState.STOPPING:  # stopped while it executed: it goes now
             self.event(
