@@ -47,7 +47,6 @@ class Ledger:
         self.write_errors: dict[str, str] = {}
         self.write_failures: dict[str, int] = {}
         self.internal_errors = 0
-        self.listener_warned: set[str] = set()  # configs whose listener check was said unsure
         # The install's key for the digests of each launch's secrets kept in its record
         # (`store.secret_salt`, set by the supervisor at start; None: none are kept).
         self.secret_salt: bytes | None = None

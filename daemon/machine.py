@@ -22,6 +22,7 @@ from . import errors, saved
 from .booting import Booting
 from .effects import Effects
 from .errors import CommandError
+from .evidence import Evidence, NotLive, Ready, Verdict
 from .ledger import Ledger
 from .messages import (
     BackoffElapsed,
@@ -99,6 +100,7 @@ class Machine:
         self.ledger = Ledger(clock, self.event)  # the records, which decide nothing
         self.swaps = Swaps(self.event, host.swap_settled)  # a swap or restart under way
         self.booting = Booting(host, self.event)  # the daemon's start, while under way
+        self.evidence = Evidence(host, self.event)  # the running launch's, judged
 
     def handle(self, msg: Message) -> Any:
         """Decide on one message. A command's answer is returned (a refusal raises
@@ -562,7 +564,7 @@ class Machine:
         if msg.parsed.death:
             self._death_announced(launch, launch.redactor.text(strip_prefix(msg.line).strip()))
         elif msg.parsed.ready and self.state == ServerState.STARTING:
-            self._confirm_ready(launch, "ready line")
+            self._judged(launch, self.evidence.ready_said(launch, "ready line"))
 
     def _death_announced(self, launch: Launch, line: str) -> None:
         """SGLang says a process of the server died. It is dead: what follows is diagnostics
@@ -591,48 +593,24 @@ class Machine:
         if launch is None:
             return
         if self.state == ServerState.STARTING:
-            self._confirm_ready(launch, msg.detail)
+            self._judged(launch, self.evidence.ready_said(launch, msg.detail))
         elif self.state in (ServerState.READY, ServerState.UNHEALTHY):
-            launch.probe_failures = 0
-
-    def _confirm_ready(self, launch: Launch, how: str) -> None:
-        """The ready line or a 200 says ready; neither proves that this launch answers (SGLang
-        prints its ready line when its warm-up reached another server on its port, its own
-        bind having failed). Ask who holds the health URL's socket first."""
-        if launch.checking_listener or launch.child is None:
-            return
-        if not launch.config.config.health.check_listener:
-            self._became_ready(launch, how)
-            return
-        launch.checking_listener = True
-        self.host.check_listener(launch, how)
+            self.evidence.probe_succeeded(launch)
 
     def on_listener_checked(self, msg: ListenerChecked) -> None:
         launch = self.current(msg.gen)
-        if launch is None or self.state != ServerState.STARTING:
-            return
-        launch.checking_listener = False
-        check = msg.check
-        if check.ours is False:
-            self._end_for_retry(launch, "port_in_use", check.detail)
-            return
-        if check.nothing_listens and msg.how != "ready line" and not launch.listener_rechecked:
-            # A 200, and then nobody listens: whoever answered may be gone. Not ready yet: probe
-            # again. A second time it is taken as "cannot tell" (a port forwarded by the kernel,
-            # as docker does without its proxy, has no listener here).
-            launch.listener_rechecked = True
-            self.host.probe(launch, readiness=True)
-            return
-        if check.ours is None and launch.config.name not in self.ledger.listener_warned:
-            # Said once per config: the same reason holds for every launch of it.
-            self.ledger.listener_warned.add(launch.config.name)
-            self.event(
-                "listener_unchecked",
-                config=launch.config.name,
-                detail=f"cannot check that this launch answers {launch.config.shown_health_url}: "
-                f"{check.detail}; readiness rests on the {msg.how}",
-            )
-        self._became_ready(launch, msg.how)
+        if launch is not None and self.state == ServerState.STARTING:
+            self._judged(launch, self.evidence.listener_checked(launch, msg))
+
+    def _judged(self, launch: Launch, verdict: Verdict) -> None:
+        """What the evidence says (`evidence.py`), acted on."""
+        if isinstance(verdict, Ready):
+            self._became_ready(launch, verdict.how)
+        elif isinstance(verdict, NotLive):
+            if verdict.unhealthy is not None:  # READY -> UNHEALTHY
+                self.transition(ServerState.UNHEALTHY, detail=verdict.unhealthy)
+            # STARTING|READY|UNHEALTHY -> STOPPING
+            self._end_for_retry(launch, verdict.reason, verdict.evidence)
 
     def _became_ready(self, launch: Launch, how: str) -> None:
         launch.ready_at, launch.ready_mono = self.clock.time(), self.clock.monotonic()
@@ -657,15 +635,8 @@ class Machine:
 
     def on_probe_failed(self, msg: ProbeFailed) -> None:
         launch = self.current(msg.gen)
-        if launch is None or self.state not in (ServerState.READY, ServerState.UNHEALTHY):
-            return
-        launch.probe_failures += 1
-        limit = launch.config.config.health.failures
-        self.event("probe_failed", detail=msg.detail, consecutive=launch.probe_failures)
-        if launch.probe_failures >= limit:
-            self.transition(ServerState.UNHEALTHY, detail=msg.detail)  # READY -> UNHEALTHY
-            last = f"{limit} consecutive failed probes; last: {msg.detail}"
-            self._end_for_retry(launch, "liveness_failed", last)  # UNHEALTHY -> STOPPING
+        if launch is not None and self.state in (ServerState.READY, ServerState.UNHEALTHY):
+            self._judged(launch, self.evidence.probe_failed(launch, msg.detail))
 
     def on_gpu_sampled(self, msg: GpuSampled) -> None:
         launch = self.current(msg.gen)
@@ -673,22 +644,10 @@ class Machine:
             self.persist()  # a holder known as ours: a later life knows its orphans
         if launch is None or launch.exited or not msg.tree or self.state != ServerState.READY:
             return
-        tree_pids = {pid for pid, _ in msg.tree}
-        held = {
-            g.index: [p.pid for p in g.processes if p.pid in tree_pids] for g in msg.snapshot.gpus
-        }
-        if launch.rank_gpus is None:
-            launch.rank_gpus = {i: pids for i, pids in held.items() if pids}
-            if launch.rank_gpus:
-                self.event("ranks", gpus=sorted(launch.rank_gpus))
-            self.persist()
-            return
-        lost = [i for i in launch.rank_gpus if not held.get(i)]
-        if lost:
-            pids = ", ".join(map(str, launch.rank_gpus[lost[0]]))
-            why = f"GPU {lost[0]} no longer holds a process of this launch (it held pid {pids} "
-            why += "when ready)"
-            self._end_for_retry(launch, "rank_lost", why)  # READY -> STOPPING
+        noted = launch.rank_gpus is not None
+        self._judged(launch, self.evidence.gpus_sampled(launch, msg))
+        if not noted:
+            self.persist()  # the GPUs its ranks hold, on record
 
     def on_probation_over(self, msg: ProbationOver) -> None:
         launch = self.current(msg.gen)
@@ -703,12 +662,8 @@ class Machine:
 
     def on_startup_timed_out(self, msg: StartupTimedOut) -> None:
         launch = self.current(msg.gen)
-        if launch is None or self.state != ServerState.STARTING:
-            return
-        timeout = launch.config.config.health.startup_timeout_s
-        self._end_for_retry(
-            launch, "startup_timeout", f"not ready within startup_timeout_s={timeout:g}"
-        )
+        if launch is not None and self.state == ServerState.STARTING:
+            self._judged(launch, self.evidence.startup_timed_out(launch))
 
     def on_stable_uptime_reached(self, msg: StableUptimeReached) -> None:
         if self.current(msg.gen) is None or self.state != ServerState.READY:

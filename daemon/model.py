@@ -76,13 +76,15 @@ class Launch:
     # Where this exit's evidence starts in `findings`: DEATH_CONTEXT_S before SGLang's death
     # line (a watchdog timeout, an OOM logged just before), not a request's error of hours ago.
     death_at: int | None = None
+    # The evidence of its health, written only by the evidence part (`evidence.py`).
     checking_listener: bool = False  # a readiness signal came; who listens is being asked
     listener_rechecked: bool = False
     probe_failures: int = 0
     swap: Swap | None = None  # the swap this attempt belongs to
     rollback: bool = False  # this attempt is a rollback to the last good config
     on_probation: bool = False
-    rank_gpus: dict[int, list[int]] | None = None  # GPU -> pids of ours it held at ready
+    # The evidence part's too: GPU -> pids of ours it held at ready.
+    rank_gpus: dict[int, list[int]] | None = None
 
     @property
     def running(self) -> bool:
