@@ -42,7 +42,8 @@ def _survey(
     data: dict[str, Any], boot_id: str
 ) -> tuple[PreviousServer | None, frozenset[tuple[int, float]]]:
     alive_known: set[tuple[int, float]] = set()
-    for item in data.get("known_processes") or []:
+    items = data.get("known_processes")
+    for item in items if isinstance(items, list) else []:
         with contextlib.suppress(TypeError, ValueError, IndexError):
             pid, ct = int(item[0]), float(item[1])
             if reaper.is_alive(pid, ct):

@@ -4,13 +4,14 @@ stopped (`stopping`), then the boot's config read and preflighted like any start
 The machine restores the previous life's record itself and owns one `Booting` for the
 sequence. Commands asked meanwhile are handled in order with it: a stop clears what the boot
 was to start (the previous server still goes), a start or restart is refused while that
-server is being stopped (it would race it for its port and GPUs) and replaces the boot's start
-after, and a shutdown waits for that server to be gone.
+server is being stopped (it would race it for its port and GPUs) and, once it is carried out,
+replaces the boot's start; a shutdown waits for that server to be gone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from . import errors
 from .effects import Effects
@@ -26,15 +27,25 @@ class Booting:
         self.config: str | None = None  # what it starts (None: nothing, or a command cleared it)
         self.rollback: str | None = None  # what a resumed swap rolls back to
         self.stopping: PreviousServer | None = None  # the previous life's server, being stopped
+        # Its launch record as that life saved it: saved again until it is stopped, so a
+        # daemon that dies meanwhile still finds it at its next start.
+        self.stopping_record: dict[str, Any] | None = None
         self.shutdown = False  # asked during that stop: the daemon ends once it is done
 
-    def begin(self, config: str | None, rollback: str | None, prev: PreviousServer | None) -> bool:
+    def begin(
+        self,
+        config: str | None,
+        rollback: str | None,
+        prev: PreviousServer | None,
+        prev_record: dict[str, Any] | None = None,
+    ) -> bool:
         """The boot starts `config` once nothing of the previous life runs. True when nothing
-        does now (the machine goes on at once); else that server is being stopped."""
+        does now (the machine goes on at once); else that server is being stopped, and its
+        launch record (`prev_record`) stays in state.json until it is."""
         self.active, self.config, self.rollback = True, config, rollback
         if prev is None:
             return True
-        self.stopping = prev
+        self.stopping, self.stopping_record = prev, prev_record
         self.event(
             "previous_server_found",
             pid=prev.pid,
@@ -53,7 +64,7 @@ class Booting:
         a shutdown asked meanwhile ends the daemon now."""
         if not self.active:
             return False
-        self.stopping = None
+        self.stopping, self.stopping_record = None, None
         if self.shutdown:
             self._end()
             return True
@@ -74,17 +85,20 @@ class Booting:
         """The read or preflight of the boot's start failed (its task raised)."""
         self._end()
 
-    def command(self, what: str) -> None:
-        """A start or restart asked during the boot."""
-        if not self.active:
-            return
-        if self.stopping is not None:
+    def refuse_while_stopping(self, what: str) -> None:
+        """A start or restart asked while the previous life's server is being stopped."""
+        if self.active and self.stopping is not None:
             raise CommandError(
                 errors.CONFLICT,
                 "the daemon is booting: it is stopping the server its previous life left "
                 f"running (pid {self.stopping.pid}); {what} again once that is done",
             )
-        self._end()  # the boot's start, still being read, is not carried out
+
+    def replaced(self) -> None:
+        """A start or restart asked during the boot is carried out: the boot's start, still
+        being read, is not."""
+        if self.active:
+            self._end()
 
     def stop(self) -> None:
         """A stop asked during the boot: it starts nothing (the previous server still goes)."""

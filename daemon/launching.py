@@ -75,10 +75,11 @@ class Launching:
             )
         except Exception as exc:  # OSError from exec; anything else must not strand it
             child = exc
-        header = [
-            f"gpuwarden launch {launch.launch_id} at {utc_iso(self.clock.time())}",
-            *redacted_header_lines(cfg),
-        ]
+        header = [f"gpuwarden launch {launch.launch_id} at {utc_iso(self.clock.time())}"]
+        try:
+            header += redacted_header_lines(cfg)
+        except Exception as exc:  # the server runs: it must reach the task that watches it
+            header.append(f"(the config's lines could not be written: {exc!r})")
         task = self.tasks.task(self._spawn(launch, header, child), gen=launch.gen)
         task.add_done_callback(lambda t: self._spawn_ended(t, launch.gen, child))
 

@@ -187,7 +187,7 @@ class Machine:
         if msg.boot:
             self.booting.start_arrived(msg.config)
         else:
-            self.booting.command("start")
+            self.booting.refuse_while_stopping("start")
         self._cancelled_by_stop(msg.ticket, "start")
         if not msg.boot:  # a boot resumes an interrupted swap as that swap
             self.swaps.refuse_if_under_way(self.active_sweep)
@@ -197,6 +197,7 @@ class Machine:
                 f"a server is already {self.state} (config {self.current_config()}); "
                 "use restart to swap",
             )
+        self.booting.replaced()  # a start carried out (or refused by its preflight, below)
         pre = msg.preflight
         if pre is not None and not pre.ok:
             detail = "; ".join(pre.problems) or "preflight failed"
@@ -248,12 +249,13 @@ class Machine:
         return {"accepted": True, "state": str(self.state), "grace_s": self.settings.stop.grace_s}
 
     def restart(self, msg: RestartRequested) -> dict[str, Any]:
-        self.booting.command("restart")
+        self.booting.refuse_while_stopping("restart")
         self._cancelled_by_stop(msg.ticket, "restart")
         self.swaps.refuse_if_under_way(self.active_sweep, msg.sweep_id)
         cfg = msg.resolved
         if cfg is None:
             raise CommandError(errors.INVALID_CONFIG, f"config {msg.config!r} was not read")
+        self.booting.replaced()
         current = self.current_config()
         serving = self.serving()
         if (
@@ -467,7 +469,9 @@ class Machine:
             self.swaps.resume(swap, record.get("phase") if isinstance(record, dict) else None)
             rollback = swap.rollback_name or self.last_good_config
         self.persist()  # the previous life's record, brought up to date, is saved now
-        if self.booting.begin(name, rollback, msg.previous):
+        # The previous server's record, kept in state.json until it is stopped.
+        previous = msg.record.get("current_launch") if msg.previous is not None else None
+        if self.booting.begin(name, rollback, msg.previous, previous):
             self._boot_go_on("")  # nothing of that life runs
 
     def on_previous_server_stopped(self, msg: PreviousServerStopped) -> None:
@@ -862,6 +866,8 @@ class Machine:
         elif msg.name == "stop_previous":  # as stopped: the GPU wait kills what holds GPUs
             self._boot_go_on("")
         elif msg.name == "boot_start":
+            if not self.booting.active:
+                return  # a command asked during the boot replaced its start: nothing is lost
             self.booting.start_failed()
             if self.state == ServerState.STOPPED:
                 self.ledger.note_exit("internal_error", evidence)

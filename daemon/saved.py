@@ -47,6 +47,8 @@ def record(m: Any, boot_id: str) -> dict[str, Any]:
             ),
             "on_probation": launch.on_probation,
         }
+    if current is None and m.booting.stopping_record is not None:
+        current = m.booting.stopping_record  # the previous life's, until it is stopped
     return {
         "intent": {"config": m.intent_config, "running": m.intent_running},
         "last_good_config": m.last_good_config,

@@ -148,7 +148,7 @@ def test_a_state_file_of_another_shape_boots_as_a_first_start(
     and set aside; the daemon boots as on a first start instead of failing its boot."""
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "state.json").write_text(
-        json.dumps({"intent": "base", "failures": "many", "launch_seq": [1]})
+        json.dumps({"intent": "base", "failures": "many", "known_processes": 5})
     )
     d = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
     note = d.wait_event("server.state_file_corrupt")

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from gpuwarden.daemon import saved
 from gpuwarden.daemon.errors import CommandError
 from gpuwarden.daemon.machine import Machine
 from gpuwarden.daemon.messages import (
@@ -408,3 +409,52 @@ def test_a_failed_stop_of_the_previous_server_goes_on_with_the_boot(tmp_path: Pa
     w.send(BootBegan(_saved_record(), None, PREVIOUS))
     w.send(TaskFailed("stop_previous", 0, "OSError: /proc unreadable"))
     assert w.host.called("boot_start") == [("a", None)]  # the GPU wait sweeps what holds GPUs
+
+
+def test_a_refused_start_during_the_boots_read_leaves_the_boot_going_on(tmp_path: Path) -> None:
+    """A start refused (here: the previous life's swap, resumed, is under way) changes
+    nothing: the boot's own start still comes and is carried out. Before, the refused start
+    ended the boot first, leaving the daemon stopped with a swap that never settled."""
+    w = World(tmp_path, **FAST)
+    record = {
+        **_saved_record(),
+        "intent": {"config": "b", "running": True},
+        "swap": {
+            "id": "swap-4-1",
+            "from": "a",
+            "to": "b",
+            "phase": "waiting_gpu",
+            "rollback_name": "a",
+        },
+    }
+    w.send(BootBegan(record, None, None))
+    assert w.host.called("boot_start") == [("b", "a")]
+    with pytest.raises(CommandError, match="is under way"):
+        w.start("c")
+    assert w.m.booting.active
+    _boot_start(w, "b")
+    assert not w.m.booting.active and w.launch.config.name == "b"
+    assert w.swap is not None and w.swap.active  # the resumed swap goes on
+
+
+def test_the_previous_servers_record_stays_saved_until_it_is_stopped(tmp_path: Path) -> None:
+    """A daemon that dies while it stops its previous life's server must find that server
+    on record at its next start."""
+    w = World(tmp_path, **FAST)
+    current = {"launch_id": "L3", "pid": 4242, "pgid": 4242, "token": "tok", "boot_id": "b"}
+    w.send(BootBegan({**_saved_record(), "current_launch": current}, None, PREVIOUS))
+    assert saved.record(w.m, "b")["current_launch"] == current
+    w.send(PreviousServerStopped(PREVIOUS, []))
+    assert saved.record(w.m, "b")["current_launch"] is None
+
+
+def test_a_failed_boot_read_after_a_stop_during_it_leaves_it_stopped(
+    tmp_path: Path,
+) -> None:
+    """A stop during the boot's read, then that read's task fails: the stop stands (before,
+    the daemon went `failed` with `internal_error`)."""
+    w = World(tmp_path, **FAST)
+    w.send(BootBegan(_saved_record(), None, None))
+    w.stop()
+    w.send(TaskFailed("boot_start", 0, "OSError: gone"))
+    assert w.m.state == ServerState.STOPPED and w.m.intent_running is False
