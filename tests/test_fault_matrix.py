@@ -702,10 +702,17 @@ def test_stop_wins_over_restarts_whose_preflight_finishes_after_it(
                     with_c.append(child)
         return bool(with_c)
 
-    with ThreadPoolExecutor(21) as pool:
+    sent: list[httpx.Request] = []  # each swap's request, as it goes out to the daemon
+    swapper = httpx.Client(
+        base_url=d.url, timeout=30, trust_env=False, event_hooks={"request": [sent.append]}
+    )
+    with swapper, ThreadPoolExecutor(21) as pool:
         swaps = [
-            pool.submit(d.http.post, "/restart", params={"config": "other"}) for _ in range(20)
+            pool.submit(swapper.post, "/restart", params={"config": "other"}) for _ in range(20)
         ]
+        # All 20 asked before the stop (a request still in a client thread when the stop goes
+        # out is asked after it, and is rightly carried out), and their preflights under way.
+        wait_until(lambda: len(sent) == 20, 20, "the 20 swaps sent")
         wait_until(preflighting, 20, "a swap's preflight under way")
         assert d.http.post("/stop").status_code == 202
         stop_index = d.wait_state("stopped")["_index"]
