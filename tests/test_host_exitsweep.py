@@ -4,11 +4,8 @@ never a foreign one."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -23,7 +20,7 @@ from gpuwarden.daemon.settings import GpuSettings
 from gpuwarden.standin import fakegpu
 
 from .support.host import launch_of, posted, tasks_posting
-from .support.procs import PY, Proc, alive
+from .support.procs import ORPHAN, PY, Proc, alive, orphans
 
 # Leaves a grandchild behind in its group (its output elsewhere), says its pid, and exits.
 LEAVES_ONE = """
@@ -38,39 +35,10 @@ if pid == 0:
 print(pid, flush=True)
 """
 
-# Starts a sleeper in a session of its own that is no descendant of the test's, prints its pid.
-DETACHED = """
-import os, time
-r, w = os.pipe()
-pid = os.fork()
-if pid == 0:
-    os.setsid()
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    os.write(w, b"x")
-    time.sleep(600)
-    os._exit(0)
-os.read(r, 1)
-print(pid)
-"""
-
-
-@contextlib.contextmanager
-def detached() -> Iterator[list[int]]:
-    """Start detached sleepers (`start()`); each is killed afterwards whatever the outcome."""
-    pids: list[int] = []
-    try:
-        yield pids
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
 
 def start_detached(pids: list[int]) -> int:
     done = subprocess.run(
-        [PY, "-c", DETACHED], check=True, capture_output=True, text=True, timeout=60
+        [PY, "-c", ORPHAN, "setsid"], check=True, capture_output=True, text=True, timeout=60
     )
     pid = int(done.stdout)
     pids.append(pid)
@@ -124,7 +92,7 @@ async def test_the_sweep_kills_gpu_holders_the_machine_knows_as_ours_and_no_othe
     procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
     messages: list[Message] = []
-    with detached() as pids:
+    with orphans() as pids:
         ours, foreign = start_detached(pids), start_detached(pids)
         fakegpu.write_holder(fake_gpu, 0, 30000, pid=ours)
         fakegpu.write_holder(fake_gpu, 1, 30000, pid=foreign)
@@ -148,7 +116,7 @@ async def test_holders_are_nobodys_where_the_gpus_pids_are_unresolved(
 ) -> None:
     """NVML reporting another pid namespace: a pid there names no process of ours."""
     messages: list[Message] = []
-    with detached() as pids:
+    with orphans() as pids:
         holder = start_detached(pids)
         fakegpu.write_holder(fake_gpu, 0, 30000, pid=holder)
         known = {(holder, psutil.Process(holder).create_time()): "an-earlier-launch"}

@@ -4,50 +4,17 @@ token, as our descendants), their killing, and a previous life's server stopped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
 
 import psutil
 
 from gpuwarden.daemon.server import reaper
 
-from .support.procs import PY, Proc, alive, wait_until
+from .support.procs import ORPHAN, PY, Proc, alive, orphans, wait_until
 
 SLEEP = [PY, "-c", "import time; time.sleep(600)"]
-
-# Forks an orphan that sleeps (in this process's group, or with argv[1] "setsid" in a session
-# of its own), prints its pid and exits: the orphan is no descendant of the test's.
-ORPHAN = """
-import os, sys, time
-r, w = os.pipe()
-pid = os.fork()
-if pid == 0:
-    if sys.argv[1] == "setsid":
-        os.setsid()
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    os.write(w, b"x")
-    time.sleep(600)
-    os._exit(0)
-os.read(r, 1)
-print(pid)
-"""
-
-
-@contextlib.contextmanager
-def orphans() -> Iterator[list[int]]:
-    """Pids of orphans a test starts, killed afterwards whatever the outcome."""
-    pids: list[int] = []
-    try:
-        yield pids
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 def orphan(how: str, env: dict[str, str]) -> tuple[int, int]:
