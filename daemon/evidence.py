@@ -1,8 +1,9 @@
-"""The running launch's evidence, judged: what its ready line, its probes, the check of who
-holds its health URL's socket and the GPU samples say about whether it is ready and whether
-it is still alive. A part of the machine's: it keeps that evidence on the launch (the fields
-`Launch` marks as the evidence's, written only here), asks for the listener check, and answers
-with a verdict; the machine acts on it (a transition, a stop).
+"""The running launch's evidence, judged: what its log lines (ready, or SGLang's word that a
+process died), its probes, the check of who holds its health URL's socket, the startup timer
+and the GPU samples say about whether it is ready and whether it is still alive. A part of the
+machine's: `judge` keeps that evidence on the launch (the fields `Launch` marks as the
+evidence's, written only here), asks for the listener check, and answers with a verdict; the
+machine acts on it (a transition, a stop).
 """
 
 from __future__ import annotations
@@ -11,8 +12,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .effects import Effects
-from .messages import GpuSampled, ListenerChecked
+from .messages import (
+    GpuSampled,
+    LineParsed,
+    ListenerChecked,
+    ProbeFailed,
+    ProbeSucceeded,
+    StartupTimedOut,
+)
 from .model import Launch
+from .sglanglines import strip_prefix
+from .states import SERVING_STATES, ServerState
 
 
 @dataclass(frozen=True)
@@ -32,7 +42,16 @@ class NotLive:
     unhealthy: str | None = None
 
 
-Verdict = Ready | NotLive | None
+@dataclass(frozen=True)
+class Dead:
+    """SGLang said that a process of the server died (`line`, redacted): the launch is dead."""
+
+    line: str
+
+
+Verdict = Ready | NotLive | Dead | None
+# What the running launch signals: each judged by `Evidence.judge`.
+Signal = LineParsed | ProbeSucceeded | ListenerChecked | ProbeFailed | StartupTimedOut | GpuSampled
 
 
 class Evidence:
@@ -41,6 +60,37 @@ class Evidence:
         # Configs whose listener could not be checked: said once per config (the same reason
         # holds for every launch of it).
         self.unchecked: set[str] = set()
+
+    def judge(self, msg: Signal, launch: Launch, state: ServerState) -> Verdict:
+        """What `msg` says of `launch` (the current one) while the server is in `state`."""
+        starting = state == ServerState.STARTING
+        match msg:
+            case LineParsed() if msg.parsed.death:
+                return self.death_said(launch, msg.line)
+            case LineParsed() if msg.parsed.ready and starting:
+                return self.ready_said(launch, "ready line")
+            case ProbeSucceeded() if starting:
+                return self.ready_said(launch, msg.detail)
+            case ProbeSucceeded() if state in SERVING_STATES:
+                launch.probe_failures = 0  # the failures before it no longer count
+            case ListenerChecked() if starting:
+                return self.listener_checked(launch, msg)
+            case ProbeFailed() if state in SERVING_STATES:
+                return self.probe_failed(launch, msg.detail)
+            case StartupTimedOut() if starting:
+                timeout = launch.config.config.health.startup_timeout_s
+                return NotLive("startup_timeout", f"not ready within startup_timeout_s={timeout:g}")
+            case GpuSampled() if state == ServerState.READY and not launch.exited and msg.tree:
+                return self.gpus_sampled(launch, msg)
+        return None
+
+    @staticmethod
+    def death_said(launch: Launch, line: str) -> Verdict:
+        """Said once, of a launch still running (our SIGKILL makes more such lines)."""
+        if launch.announced is not None or not launch.running:
+            return None
+        launch.announced = launch.redactor.text(strip_prefix(line).strip())
+        return Dead(launch.announced)
 
     def ready_said(self, launch: Launch, how: str) -> Verdict:
         """The ready line or a 200 says ready; neither proves that this launch answers (SGLang
@@ -76,11 +126,6 @@ class Evidence:
             )
         return Ready(msg.how)
 
-    @staticmethod
-    def probe_succeeded(launch: Launch) -> None:
-        """A liveness probe answered: the failures before it no longer count."""
-        launch.probe_failures = 0
-
     def probe_failed(self, launch: Launch, detail: str) -> Verdict:
         launch.probe_failures += 1
         limit = launch.config.config.health.failures
@@ -108,8 +153,3 @@ class Evidence:
         pids = ", ".join(map(str, launch.rank_gpus[lost[0]]))
         why = f"GPU {lost[0]} no longer holds a process of this launch (it held pid {pids} "
         return NotLive("rank_lost", why + "when ready)")
-
-    @staticmethod
-    def startup_timed_out(launch: Launch) -> Verdict:
-        timeout = launch.config.config.health.startup_timeout_s
-        return NotLive("startup_timeout", f"not ready within startup_timeout_s={timeout:g}")

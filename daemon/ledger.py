@@ -10,17 +10,19 @@ be saved says so by returning True. Events leave through the machine's `event`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 from .gpustate import GpuSnapshot
 from .history import LaunchHistory
+from .messages import GpuSampled, LineParsed, OrphansKilled, ServerFiguresRead, WriteHealthChanged
 from .model import Launch, utc_iso
 from .policy import Classification, describe_returncode
 from .redact import fingerprints
+from .sglanglines import decode_metrics
 
 if TYPE_CHECKING:
     from .clock import Clock
-    from .messages import GpuSampled
+    from .messages import Noted
 
 READY_TIMES_KEPT = 100
 
@@ -50,6 +52,26 @@ class Ledger:
         # The install's key for the digests of each launch's secrets kept in its record
         # (`store.secret_salt`, set by the supervisor at start; None: none are kept).
         self.secret_salt: bytes | None = None
+
+    def note(self, msg: Noted, launch: Launch | None) -> bool:
+        """A message that is only a record (`launch`: the current one, if the message is of
+        it). True when what it noted should be saved."""
+        match msg:
+            case LineParsed():
+                if launch is not None and msg.parsed.decode is not None:
+                    self.note_figures(launch, decode_metrics(msg.parsed.decode), "log")
+            case ServerFiguresRead():  # the server's own /metrics; dropped once it is gone
+                if launch is not None and launch.gen == msg.gen and launch.running:
+                    self.note_figures(launch, dict(msg.figures), "sglang_metrics")
+            case GpuSampled():
+                return self.note_gpus(msg, launch)
+            case OrphansKilled():
+                self.note_killed(msg.killed, "gpu_orphans_killed")
+            case WriteHealthChanged():
+                self.note_write_health(msg.target, msg.error)
+            case _:
+                assert_never(msg)
+        return False
 
     def restore(
         self,

@@ -290,3 +290,5 @@ Message = (
     | SaveDelayElapsed
     | ServerFiguresRead
 )
+# What the ledger records (`Ledger.note`): some are the running launch's signals as well.
+Noted = LineParsed | GpuSampled | ServerFiguresRead | OrphansKilled | WriteHealthChanged

@@ -1,7 +1,9 @@
-"""Plain data of the lifecycle: a launch attempt, a swap under way, what follows an exit.
+"""Plain data of the lifecycle: what is asked to run, a launch attempt, a swap under way, what
+follows an exit.
 
-The machine (`machine.py`) is the only writer of these, with one exception stated on `Launch`:
-the log pipeline appends a launch's findings as its lines arrive.
+The machine (`machine.py`) and its parts are the only writers of these (`Launch` says which
+part writes which of its fields), with one exception stated on `Launch`: the log pipeline
+appends a launch's findings as its lines arrive.
 """
 
 from __future__ import annotations
@@ -33,6 +35,34 @@ class Next(StrEnum):
     SHUTDOWN = "shutdown"  # the daemon is exiting
 
 
+@dataclass
+class Intent:
+    """What is asked to run, and what is known good: the machine's, kept across the daemon's
+    lives (state.json's `intent`, `last_good_*`, `last_failed_launch` and `sweep`)."""
+
+    config: str | None = None
+    running: bool = False
+    last_good_config: str | None = None
+    last_good_launch: str | None = None
+    last_failed_launch: str | None = None
+    # A sweep under way, and the config it ends on: no other config it starts becomes
+    # last-good, and a daemon that dies mid-sweep starts that one at its next boot.
+    sweep: str | None = None
+    sweep_restore_to: str | None = None
+
+    def good(self, launch: Launch) -> bool:
+        """`launch` is what a failed swap rolls back to from now on, and what a later life
+        keeps the logs of; not one a sweep measures (it ends on another config)."""
+        if self.sweep is not None and launch.config.name != self.sweep_restore_to:
+            return False
+        self.last_good_config, self.last_good_launch = launch.config.name, launch.launch_id
+        return True
+
+    def protected_logs(self, current: str | None) -> set[str]:
+        """The launches whose logs are never pruned."""
+        return {x for x in (current, self.last_good_launch, self.last_failed_launch) if x}
+
+
 @dataclass(frozen=True)
 class PreviousServer:
     """A server the daemon's previous life left running on this boot, or processes of its
@@ -53,6 +83,7 @@ class Launch:
 
     gen: int
     config: ResolvedConfig
+    # Its steps and its end, written only by the attempt part (`attempt.py`).
     launch_id: str = ""
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
     log: ServerLog | None = None
@@ -63,28 +94,28 @@ class Launch:
     started_mono: float | None = None
     ready_at: float | None = None
     ready_mono: float | None = None
-    # Written by the log pipeline as lines arrive (log data, not lifecycle state): what the
-    # exit's classification reads once the launch has been swept.
-    findings: list[Finding] = field(default_factory=list)
-    finding_times: list[float] = field(default_factory=list)  # monotonic, one per finding
     exited: bool = False
     returncode: int | None = None
     next: Next | None = None
     next_config: ResolvedConfig | None = None
     imposed: Classification | None = None
-    announced: str | None = None  # SGLang's line saying the server died
+    # Written by the log pipeline as lines arrive (log data, not lifecycle state): what the
+    # exit's classification reads once the launch has been swept.
+    findings: list[Finding] = field(default_factory=list)
+    finding_times: list[float] = field(default_factory=list)  # monotonic, one per finding
     # Where this exit's evidence starts in `findings`: DEATH_CONTEXT_S before SGLang's death
     # line (a watchdog timeout, an OOM logged just before), not a request's error of hours ago.
     death_at: int | None = None
     # The evidence of its health, written only by the evidence part (`evidence.py`).
+    announced: str | None = None  # SGLang's line saying the server died
     checking_listener: bool = False  # a readiness signal came; who listens is being asked
     listener_rechecked: bool = False
     probe_failures: int = 0
-    swap: Swap | None = None  # the swap this attempt belongs to
+    rank_gpus: dict[int, list[int]] | None = None  # GPU -> pids of ours it held at ready
+    # The swap it belongs to (set as it begins), and its probation (the machine's).
+    swap: Swap | None = None
     rollback: bool = False  # this attempt is a rollback to the last good config
     on_probation: bool = False
-    # The evidence part's too: GPU -> pids of ours it held at ready.
-    rank_gpus: dict[int, list[int]] | None = None
 
     @property
     def running(self) -> bool:

@@ -1,4 +1,5 @@
-"""Pure decisions: the restart delay and what an exit means. No I/O, no clock.
+"""The restart policy: what an exit means, the delay before a retry, and the counters it
+decides by (`Retries`, a part of the machine's). No I/O, no clock.
 
 Backoff (the contract's schedule)::
 
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import random
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .model import Next
 from .sglanglines import Finding
 
 REASONS = (
@@ -43,7 +45,10 @@ NOT_RETRIED = frozenset({"config_error", "preflight_refused"})
 _EVIDENCE_PRIORITY = ("cuda_oom", "nccl_error", "watchdog_timeout", "port_in_use", "config_error")
 
 if TYPE_CHECKING:
-    from gpuwarden.daemon.settings import RestartPolicy
+    from .messages import BackoffElapsed
+    from .model import Launch
+    from .resolvedconfig import ResolvedConfig
+    from .settings import RestartPolicy
 
 
 def backoff_delay(policy: RestartPolicy, failures: int, rng: random.Random) -> float:
@@ -64,6 +69,59 @@ class Classification:
     evidence: str
 
 
+class Retries:
+    """The failures in a row and what follows the next one: a retry after a delay, or none.
+    The machine owns one and is its only caller."""
+
+    def __init__(
+        self, policy: RestartPolicy, rng: random.Random, event: Callable[..., None]
+    ) -> None:
+        self.policy, self.rng, self.event = policy, rng, event
+        self.failures = 0  # in a row
+        self.restarts = 0  # relaunches of the same config: retries and requested restarts
+        self.crash_loop = False
+
+    def stable(self) -> None:
+        """The server stayed up `reset_after_s`: the failures before no longer count."""
+        if self.failures or self.crash_loop:
+            self.event("failures_reset", after_failures=self.failures)
+        self.reset()
+
+    def reset(self, failures: int = 0) -> None:
+        """A start or swap asked, or a stable uptime (a boot restores its previous count)."""
+        self.failures, self.crash_loop = failures, False
+
+    def restarted(self) -> None:
+        self.restarts += 1
+
+    def retried_config(self, msg: BackoffElapsed, ran: Launch | None) -> ResolvedConfig | None:
+        """What a retry starts: its config as read now (None: it does not read). One whose
+        file is missing or half-written just now (an editor's save, a deploy) comes back as
+        the launch before it `ran` it, if it is that config, and the file is read again at the
+        next retry; a command that names the config still gets the error."""
+        if msg.resolved is not None or not msg.unreadable or ran is None:
+            return msg.resolved
+        self.event(
+            "config_unreadable",
+            error=msg.error,
+            detail=f"relaunched with the resolution of launch {ran.launch_id} "
+            f"(hash {ran.config.config_hash}); the file is read again at the next retry",
+        )
+        return ran.config
+
+    def failed(self, reason: str) -> float | str:
+        """One more failure: the delay before its retry, or why there is none."""
+        self.failures += 1
+        if self.failures >= self.policy.crash_loop_after and not self.crash_loop:
+            self.crash_loop = True
+            self.event("crash_loop", failures=self.failures, reason=reason)
+        if reason in NOT_RETRIED:
+            return "not retried: fix the config"
+        if self.policy.max_failures is not None and self.failures >= self.policy.max_failures:
+            return f"{self.failures} consecutive failures (max_failures)"
+        return backoff_delay(self.policy, self.failures, self.rng)
+
+
 def describe_returncode(returncode: int | None) -> tuple[int | None, int | None, str]:
     """(exit code, signal number, words) from a Popen-style return code."""
     if returncode is None:
@@ -76,6 +134,18 @@ def describe_returncode(returncode: int | None) -> tuple[int | None, int | None,
             name = f"signal {sig}"
         return None, sig, f"killed by {name}"
     return returncode, None, f"exited with code {returncode}"
+
+
+def classify_end(launch: Launch) -> Classification:
+    """What the end of `launch` (exited and swept) means: a reason we ended it for stands; one
+    stopped on request (a stop, a swap, the daemon's shutdown) ended as asked; else its exit."""
+    requested = launch.next in (Next.STOP, Next.RELAUNCH, Next.SHUTDOWN)
+    return classify_exit(
+        launch.returncode,
+        launch.evidence(),
+        requested_stop=requested and launch.imposed is None,
+        imposed=launch.imposed,
+    )
 
 
 def classify_exit(

@@ -37,14 +37,17 @@ async def swap_outcome(
 
     await until(
         lambda: (
-            m.last_good_launch == launch_id or another_swap() or not m.intent_running or m.finished
+            m.intent.last_good_launch == launch_id
+            or another_swap()
+            or not m.intent.running
+            or m.finished
         )
     )
-    if m.last_good_launch == launch_id:
+    if m.intent.last_good_launch == launch_id:
         probation_s = m.settings.restart.probation_s
         evidence = f"{ready['config']} is ready and survived its probation ({probation_s:g} s)"
         return {**ready, "evidence": evidence}
-    if another_swap() and m.intent_running and not m.finished:
+    if another_swap() and m.intent.running and not m.finished:
         assert m.swaps.current is not None
         rollback = await settled(m.swaps.current.id)
         launch_ids = [*ready["launch_ids"], *rollback["launch_ids"]]
@@ -70,7 +73,7 @@ async def restart_outcome(
     def ended() -> bool:
         exited = (m.ledger.last_exit or {}).get("launch_id") == launch_id
         other = m.swaps.current is not None and m.swaps.current.id != swap_id
-        return exited or other or not m.intent_running or m.finished
+        return exited or other or not m.intent.running or m.finished
 
     watcher = asyncio.ensure_future(until(ended))
     timer = asyncio.ensure_future(clock.sleep(probation_s))
@@ -91,7 +94,7 @@ async def restart_outcome(
         return {**ready, "outcome": "failed", "reason": last.get("reason"), "evidence": why}
     if m.finished:
         why = "the daemon shut down during its probation"
-    elif not m.intent_running:
+    elif not m.intent.running:
         why = "stopped on request during its probation"
     else:
         why = "another restart or swap began during its probation"

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .history import LaunchHistory
-from .model import Swap
+from .model import Intent, Swap
 from .states import SwapPhase
 
 KNOWN_KEPT = 500  # processes of ours remembered (pid, create time) across lives
@@ -50,11 +50,11 @@ def record(m: Any, boot_id: str) -> dict[str, Any]:
     if current is None and m.booting.stopping_record is not None:
         current = m.booting.stopping_record  # the previous life's, until it is stopped
     return {
-        "intent": {"config": m.intent_config, "running": m.intent_running},
-        "last_good_config": m.last_good_config,
-        "last_good_launch": m.last_good_launch,
-        "last_failed_launch": m.last_failed_launch,
-        "failures": m.failures,
+        "intent": {"config": m.intent.config, "running": m.intent.running},
+        "last_good_config": m.intent.last_good_config,
+        "last_good_launch": m.intent.last_good_launch,
+        "last_failed_launch": m.intent.last_failed_launch,
+        "failures": m.retries.failures,
         "launch_seq": m.launch_seq,
         "current_launch": current,
         "last_exit": m.ledger.last_exit,
@@ -62,8 +62,8 @@ def record(m: Any, boot_id: str) -> dict[str, Any]:
         "swap": _swap_record(m),
         # A sweep under way, and the config it ends on: a later life ends it on that config.
         "sweep": (
-            {"id": m.active_sweep, "restore_to": m.sweep_restore_to}
-            if m.active_sweep is not None
+            {"id": m.intent.sweep, "restore_to": m.intent.sweep_restore_to}
+            if m.intent.sweep is not None
             else None
         ),
         "known_processes": [
@@ -95,11 +95,7 @@ def _swap_record(m: Any) -> dict[str, Any] | None:
 class Restored:
     """A previous life's record, read back: what the machine takes into its own fields."""
 
-    intent_config: str | None = None
-    intent_running: bool = False
-    last_good_config: str | None = None
-    last_good_launch: str | None = None
-    last_failed_launch: str | None = None
+    intent: Intent = field(default_factory=Intent)  # its sweep, if any, ended with that life
     launch_seq: int = 0
     failures: int = 0  # shown while booting; a start resets it
     history: LaunchHistory = field(default_factory=LaunchHistory)
@@ -122,11 +118,13 @@ def read(data: dict[str, Any], alive: Callable[[int, float], bool]) -> Restored:
     if last_exit is not None and not isinstance(last_exit, dict):
         raise TypeError(f"last_exit is {type(last_exit).__name__}, not a record")
     return Restored(
-        intent_config=_name(intent.get("config"), "intent.config"),
-        intent_running=bool(intent.get("running")),
-        last_good_config=_name(data.get("last_good_config"), "last_good_config"),
-        last_good_launch=_name(data.get("last_good_launch"), "last_good_launch"),
-        last_failed_launch=_name(data.get("last_failed_launch"), "last_failed_launch"),
+        intent=Intent(
+            config=_name(intent.get("config"), "intent.config"),
+            running=bool(intent.get("running")),
+            last_good_config=_name(data.get("last_good_config"), "last_good_config"),
+            last_good_launch=_name(data.get("last_good_launch"), "last_good_launch"),
+            last_failed_launch=_name(data.get("last_failed_launch"), "last_failed_launch"),
+        ),
         launch_seq=int(data.get("launch_seq", 0) or 0),
         failures=int(data.get("failures", 0) or 0),
         history=LaunchHistory(data.get("launches") or []),
@@ -175,3 +173,57 @@ def resumed_swap(record: Any, name: str) -> Swap | None:
         phase=SwapPhase.ROLLING_BACK if rolling_back else SwapPhase.WAITING_GPU,
         rollback_name=record.get("rollback_name"),
     )
+
+
+@dataclass(frozen=True)
+class BootPlan:
+    """What a boot does with the previous life's record: the fields it restores, the config
+    it starts (None: nothing), a swap it resumes (and the phase that life saved), and the
+    events to record (kind, fields)."""
+
+    restored: Restored
+    config: str | None
+    swap: Swap | None = None
+    swap_phase: str | None = None
+    notes: tuple[tuple[str, dict[str, Any]], ...] = ()
+
+
+def plan_boot(
+    data: dict[str, Any], alive: Callable[[int, float], bool], default_config: str | None
+) -> BootPlan:
+    """The boot's plan from `data` (state.json as read; a record of another shape is read as
+    none, as on a first start)."""
+    notes: list[tuple[str, dict[str, Any]]] = []
+    try:
+        restored = read(data, alive)
+    except (TypeError, ValueError, AttributeError) as exc:  # a JSON object of other shape
+        detail = (
+            f"state.json does not read as a record ({type(exc).__name__}: {exc}); "
+            "starting as on a first start"
+        )
+        notes.append(("state_file_corrupt", {"detail": detail}))
+        data, restored = {}, Restored()
+    swept = interrupted_sweep(data)
+    if swept is not None:
+        # The sweep ended with that life: its config does not go on serving; the config the
+        # sweep was to end on does (none: none was serving before it).
+        sweep_id, back = swept
+        intent = replace(restored.intent, config=back or restored.intent.config, running=bool(back))
+        restored = replace(restored, intent=intent)
+        data = {**data, "intent": {"config": intent.config, "running": intent.running}}
+        notes.append(
+            (
+                "sweep_interrupted",
+                {
+                    "sweep_id": sweep_id,
+                    "restore_to": back,
+                    "detail": f"the daemon stopped during sweep {sweep_id}; "
+                    + (f"{back} serves again" if back else "nothing was serving before it"),
+                },
+            )
+        )
+    name = boot_config(data, default_config)
+    record = data.get("swap")
+    swap = resumed_swap(record, name) if name else None
+    phase = record.get("phase") if swap is not None and isinstance(record, dict) else None
+    return BootPlan(restored, name, swap, phase, tuple(notes))

@@ -56,6 +56,11 @@ RUNNING_STATES = frozenset(
     {ServerState.STARTING, ServerState.READY, ServerState.UNHEALTHY, ServerState.STOPPING}
 )
 
+# States in which a server of ours runs and is not being stopped: its probes and timers watch it.
+LIVE_STATES = RUNNING_STATES - {ServerState.STOPPING}
+# States in which a server of ours serves requests (ready, or ready and failing probes).
+SERVING_STATES = frozenset({ServerState.READY, ServerState.UNHEALTHY})
+
 # Between a server's end and the next one's exec: what changes here is superseded within
 # milliseconds by the exec's outcome, so saving it may wait a little (the restart path is not
 # made to share the interpreter with a state file's encoding).

@@ -173,10 +173,10 @@ class Supervisor:
         # What was asked for (the intent, a swap or sweep begun or ended) is saved at once; only
         # a relaunch's own passing states wait.
         asked = (
-            m.intent_config,
-            m.intent_running,
+            m.intent.config,
+            m.intent.running,
             m.swaps.current.id if m.swaps.current is not None else None,
-            m.active_sweep,
+            m.intent.sweep,
         )
         if not now and m.state in RELAUNCH_STATES and not m.finished and asked == self._asked:
             if self._save_timer is None:

@@ -60,26 +60,25 @@ class Swaps:
 
     def begin(
         self,
+        swap_id: str,
         cfg: ResolvedConfig,
-        *,
         current: str | None,
         serving: Launch | None,
-        last_good_config: str | None,
-        last_good: ResolvedConfig | None,
-        seq: int,
-        now: float,
+        last_good: tuple[str | None, ResolvedConfig | None],
     ) -> Swap:
         """A restart (`cfg` is the current config) or a swap: it rolls back to what serves, or
-        else to the last good config (`last_good`, read ahead, if it still is that one)."""
-        if last_good is not None and last_good.name != last_good_config:
-            last_good = None
+        else to the last good config (its name, and its config read ahead: kept if it still is
+        that one)."""
+        last_good_config, last_good_read = last_good
+        if last_good_read is not None and last_good_read.name != last_good_config:
+            last_good_read = None
         swap = Swap(
-            id=f"swap-{seq + 1}-{int(now)}",
+            id=swap_id,
             from_config=current,
             to_config=cfg.name,
             is_swap=cfg.name != current,
             rollback_name=serving.config.name if serving else last_good_config,
-            rollback_to=serving.config if serving else last_good,
+            rollback_to=serving.config if serving else last_good_read,
         )
         self.current, self.rolled_back_from = swap, None
         if swap.is_swap:
@@ -99,6 +98,17 @@ class Swaps:
             phase=phase,
             detail="the daemon stopped during this swap; it goes on as the same swap",
         )
+
+    def resumed_read(self, last_good: ResolvedConfig | None, last_good_config: str | None) -> bool:
+        """The start of a swap resumed at the boot was read, with its rollback config
+        (`last_good`, kept if it still is the one). True when it starts as the rollback."""
+        swap = self.current
+        if swap is None:
+            return False
+        named = swap.rollback_name or last_good_config
+        if swap.rollback_to is None and last_good is not None and last_good.name == named:
+            swap.rollback_to = last_good
+        return swap.phase == SwapPhase.ROLLING_BACK
 
     # -- what happens to its launches ---------------------------------------------------------
 

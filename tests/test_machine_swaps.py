@@ -44,12 +44,12 @@ def test_a_swap_whose_config_crashes_on_its_first_start_rolls_back_to_the_one_th
     w.up("a")
     served = w.launch.launch_id
     failed = _swapped_in(w, "b")
-    assert w.m.intent_config == "b"
+    assert w.m.intent.config == "b"
     w.exits(1)  # b dies before it is ready: back to a at once, no backoff
     assert (
         w.m.state == ServerState.WAITING_GPU and w.launch.config.name == "a" and w.launch.rollback
     )
-    assert (w.m.intent_config, w.m.intent_running) == ("a", True)
+    assert (w.m.intent.config, w.m.intent.running) == ("a", True)
     assert not w.host.called("retry_after") and ServerState.BACKOFF not in {b for _, b in w.edges()}
     [rollback] = w.host.events("rollback")
     assert rollback["swap_id"] == w.swap.id
@@ -71,9 +71,14 @@ def test_a_swap_whose_config_crashes_on_its_first_start_rolls_back_to_the_one_th
     }
     assert w.swap.phase == SwapPhase.DONE
     # The counts: one swap, one rollback; neither a restart nor a failure of the policy's.
-    assert (w.m.swaps.count, w.m.swaps.rollbacks, w.m.restarts, w.m.failures) == (1, 1, 0, 0)
-    assert w.m.swaps.rolled_back_from == "b" and w.m.last_failed_launch == failed
-    assert (w.m.last_good_config, w.m.last_good_launch) == ("a", back)
+    assert (w.m.swaps.count, w.m.swaps.rollbacks, w.m.retries.restarts, w.m.retries.failures) == (
+        1,
+        1,
+        0,
+        0,
+    )
+    assert w.m.swaps.rolled_back_from == "b" and w.m.intent.last_failed_launch == failed
+    assert (w.m.intent.last_good_config, w.m.intent.last_good_launch) == ("a", back)
     assert served != back
 
 
@@ -101,7 +106,7 @@ def test_a_swap_from_a_stopped_server_rolls_back_to_the_last_good_config_read_ah
     w.up("a")
     w.stop()
     w.exits(0)
-    assert w.m.state == ServerState.STOPPED and w.m.last_good_config == "a"
+    assert w.m.state == ServerState.STOPPED and w.m.intent.last_good_config == "a"
     w.restart("b", last_good=w.cfg("a"))
     w.relaunch()
     w.exits(1)
@@ -130,7 +135,7 @@ def test_a_crash_inside_probation_rolls_back_with_a_swap_of_its_own(tmp_path: Pa
     _swapped_in(w, "b")
     w.ready()
     swap = w.swap
-    assert w.launch.on_probation and w.m.last_good_config == "a"  # not last-good yet
+    assert w.launch.on_probation and w.m.intent.last_good_config == "a"  # not last-good yet
     [ready] = _settled(w)
     assert (ready["outcome"], ready["swap_id"]) == ("ready", swap.id)
     w.exits(1)  # within probation_s
@@ -141,7 +146,7 @@ def test_a_crash_inside_probation_rolls_back_with_a_swap_of_its_own(tmp_path: Pa
     [rollback] = w.host.events("rollback")
     assert rollback["swap_id"] == own.id and rollback["reason"] == "crash"
     assert w.m.state == ServerState.WAITING_GPU and w.launch.config.name == "a"
-    assert w.m.intent_config == "a" and not w.host.called("retry_after")
+    assert w.m.intent.config == "a" and not w.host.called("retry_after")
     w.relaunch()
     w.ready()
     assert not w.launch.on_probation  # going back is not a swap to try out
@@ -149,7 +154,7 @@ def test_a_crash_inside_probation_rolls_back_with_a_swap_of_its_own(tmp_path: Pa
         (swap.id, "ready"),
         (own.id, "rolled_back"),
     ]
-    assert (w.m.last_good_config, w.m.swaps.rollbacks, w.m.swaps.count) == ("a", 1, 1)
+    assert (w.m.intent.last_good_config, w.m.swaps.rollbacks, w.m.swaps.count) == ("a", 1, 1)
 
 
 def test_probation_passed_makes_the_swapped_in_config_last_good(tmp_path: Path) -> None:
@@ -157,11 +162,11 @@ def test_probation_passed_makes_the_swapped_in_config_last_good(tmp_path: Path) 
     w.up("a")
     launched = _swapped_in(w, "b")
     w.ready()
-    assert w.m.last_good_config == "a"
+    assert w.m.intent.last_good_config == "a"
     [(seconds, _, launch)] = [t for t in w.host.called("timer") if isinstance(t[1], ProbationOver)]
     assert seconds == 60 and launch is w.launch
     w.probation_over()
-    assert (w.m.last_good_config, w.m.last_good_launch) == ("b", launched)
+    assert (w.m.intent.last_good_config, w.m.intent.last_good_launch) == ("b", launched)
     assert not w.launch.on_probation
     [passed] = w.host.events("probation_passed")
     assert passed["probation_s"] == 60 and passed["config"] == "b"
@@ -178,11 +183,11 @@ def test_a_swap_begun_during_anothers_probation_passes_it_and_rolls_back_to_it(
     w.up("a")
     b_launch = _swapped_in(w, "b")
     w.ready()
-    assert w.launch.on_probation and w.m.last_good_config == "a"
+    assert w.launch.on_probation and w.m.intent.last_good_config == "a"
     w.restart("c")
     [passed] = w.host.events("probation_passed")
     assert passed["detail"] == "a swap began while it served"
-    assert (w.m.last_good_config, w.m.last_good_launch) == ("b", b_launch)
+    assert (w.m.intent.last_good_config, w.m.intent.last_good_launch) == ("b", b_launch)
     assert w.swap.rollback_name == "b"
     w.exits(0)
     w.relaunch()
@@ -192,7 +197,7 @@ def test_a_swap_begun_during_anothers_probation_passes_it_and_rolls_back_to_it(
     w.relaunch()
     w.ready()
     assert _settled(w)[-1]["outcome"] == "rolled_back"
-    assert (w.m.state, w.m.last_good_config) == (ServerState.READY, "b")
+    assert (w.m.state, w.m.intent.last_good_config) == (ServerState.READY, "b")
 
 
 # -- a stop during a swap -------------------------------------------------------------------------
@@ -211,7 +216,7 @@ def test_a_stop_during_a_swap_settles_it_failed_requested_stop(tmp_path: Path, w
     assert reply["state"] == "stopping"
     [outcome] = _settled(w)
     assert (outcome["outcome"], outcome["reason"]) == ("failed", "requested_stop")
-    assert w.swap.phase == SwapPhase.DONE and w.m.intent_running is False
+    assert w.swap.phase == SwapPhase.DONE and w.m.intent.running is False
     w.exits(0)
     assert w.m.state == ServerState.STOPPED  # nothing follows: no relaunch, no rollback
     assert not w.host.events("rollback") and len(_settled(w)) == 1
@@ -228,7 +233,7 @@ def test_a_sweeps_swaps_never_make_last_good(tmp_path: Path, probation_s: float)
     w = World(tmp_path, restart={"probation_s": probation_s})
     w.up("a")  # started, not swapped in: last-good at once
     first_a = w.launch.launch_id
-    assert (w.m.last_good_config, w.m.last_good_launch) == ("a", first_a)
+    assert (w.m.intent.last_good_config, w.m.intent.last_good_launch) == ("a", first_a)
     w.send(SweepBegan("sweep-1", restore_to="a"))
     for name in ("b", "c"):
         w.restart(name, sweep_id="sweep-1", ensure=True)
@@ -237,10 +242,10 @@ def test_a_sweeps_swaps_never_make_last_good(tmp_path: Path, probation_s: float)
         w.ready()
         assert w.m.state == ServerState.READY and w.launch.config.name == name
         assert w.launch.on_probation == bool(probation_s)
-        assert (w.m.last_good_config, w.m.last_good_launch) == ("a", first_a)
+        assert (w.m.intent.last_good_config, w.m.intent.last_good_launch) == ("a", first_a)
     if probation_s:
         w.probation_over()  # c's probation passes inside the sweep
-        assert (w.m.last_good_config, w.m.last_good_launch) == ("a", first_a)
+        assert (w.m.intent.last_good_config, w.m.intent.last_good_launch) == ("a", first_a)
     assert not w.host.events("probation_passed")
     w.restart("a", sweep_id="sweep-1", ensure=True)  # the sweep ends on a
     w.exits(0)
@@ -249,5 +254,5 @@ def test_a_sweeps_swaps_never_make_last_good(tmp_path: Path, probation_s: float)
     if probation_s:
         w.probation_over()
     w.send(SweepEnded("sweep-1"))
-    assert (w.m.last_good_config, w.m.last_good_launch) == ("a", w.launch.launch_id)
+    assert (w.m.intent.last_good_config, w.m.intent.last_good_launch) == ("a", w.launch.launch_id)
     assert w.launch.launch_id != first_a

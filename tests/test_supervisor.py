@@ -115,9 +115,9 @@ async def test_crash_after_ready_backs_off_with_growing_delays_then_resets_after
             await sup.wait_for_state(ServerState.BACKOFF, timeout=20)
             delay = backoff_delay(settings, n, expected)
             assert sup.machine.next_retry_at == pytest.approx(clock.time() + delay)
-            assert sup.machine.failures == n
+            assert sup.machine.retries.failures == n
             assert 10 * 2 ** (n - 1) * 0.8 <= delay <= 10 * 2 ** (n - 1) * 1.2
-            assert sup.machine.crash_loop is (n >= 3)
+            assert sup.machine.retries.crash_loop is (n >= 3)
             clock.advance(delay - 0.01)
             await settle()
             assert sup.machine.state == ServerState.BACKOFF  # not a moment early
@@ -128,13 +128,13 @@ async def test_crash_after_ready_backs_off_with_growing_delays_then_resets_after
             clock.advance(0.02)
             await sup.wait_for_state(ServerState.STARTING, ServerState.WAITING_GPU, timeout=5)
         await sup.wait_for_state(ServerState.READY, timeout=20)
-        assert sup.machine.failures == 3 and sup.machine.restarts == 3
+        assert sup.machine.retries.failures == 3 and sup.machine.retries.restarts == 3
         clock.advance(599)
         await settle()
-        assert sup.machine.failures == 3
+        assert sup.machine.retries.failures == 3
         clock.advance(1.5)
-        await sup.wait_for(lambda s: s.machine.failures == 0, 5)
-        assert sup.machine.crash_loop is False
+        await sup.wait_for(lambda s: s.machine.retries.failures == 0, 5)
+        assert sup.machine.retries.crash_loop is False
         assert events(sup, "failures_reset")
 
 
@@ -148,7 +148,7 @@ async def test_max_failures_ends_in_failed(tmp_path: Path, fake_gpu: Path) -> No
     ) as sup:
         await sup.start("oom")
         await sup.wait_for_state(ServerState.FAILED, timeout=30)
-        assert sup.machine.failures == 2
+        assert sup.machine.retries.failures == 2
         assert (
             sup.machine.ledger.last_exit is not None
             and sup.machine.ledger.last_exit["reason"] == "cuda_oom"
