@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-real bench-real lint typecheck unit bench bench-repeat soak clean standin-table setup
+.PHONY: demo test test-real bench-real lint typecheck unit bench bench-repeat bench-shim soak clean standin-table setup
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,10 @@ bench: setup $(PEERS)/.installed
 N ?= 5
 bench-repeat: setup $(PEERS)/.installed
 	$(BIN)/python bench/restart.py --repeat $(N)
+
+# The shim's own figures: its memory, a flood captured through it, an adoption's share.
+bench-shim: setup
+	$(BIN)/python bench/shim.py
 
 # A dead child of the real SGLang (and of the stand-in): crash line -> group gone -> next exec.
 bench-real: setup

@@ -82,6 +82,10 @@ class LogFile:
         self.write(data)
         return data
 
+    def end_stream(self, stream: int) -> bytes:
+        """The stream's output is over: its unfinished line, ended and written (b"": none)."""
+        return self.feed(b"\n", stream) if stream in self._partials else b""
+
     def flush_partials(self) -> list[tuple[int, bytes]]:
         """The streams' unfinished lines, ended and written (their output is over)."""
         ended = [(stream, self.feed(b"\n", stream)) for stream in list(self._partials)]

@@ -1,0 +1,399 @@
+"""The shim: the servers' parent when they are to outlive the daemon (`live_restore`).
+
+One long-lived process per state directory, started by the daemon and never on the restart
+path: it executes each server when the daemon asks, in a session of its own, writes the
+server's output to the launch's log itself (`logfile.py`'s rules, so nothing the server
+writes waits on the daemon), hands the daemon those lines as they are written, takes its
+signals, and records each exit (code or signal, time, log size) the moment the server ends,
+in memory and in `<dir>/<launch_id>.exit`. The daemon may stop, crash or be replaced
+meanwhile: a later daemon connects again, lists what runs and attaches to it.
+
+Run as a file by a bare interpreter (`python -I -S shim.py --dir DIR`): standard library
+only, with `logfile.py` and `shimwire.py` loaded by their paths, so it stays small. It
+listens on `<dir>/shim.sock` (mode 0600) and serves one request at a time from each of its
+clients (see `shimwire.py` and `shimclient.py`). A client that does not read is never waited
+for: its output beyond `CLIENT_BUFFER` is dropped for it (the file has it) and it is told.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load(name: str, path: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"_gpuwarden_shim_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+wire = _load("wire", os.path.join(_HERE, "shimwire.py"))
+logfile = _load("logfile", os.path.join(os.path.dirname(_HERE), "logfile.py"))
+
+READ_SIZE = 64 * 1024
+PIPE_SIZE = 1 << 20
+F_SETPIPE_SZ = 1031
+CLIENT_BUFFER = 8 * 1024 * 1024
+
+
+class Server:
+    """One server the shim runs, until the daemon releases it."""
+
+    def __init__(self, launch_id: str, token: str, argv: list[str], pid: int) -> None:
+        self.launch_id, self.token, self.argv, self.pid = launch_id, token, argv, pid
+        self.started_at = time.time()
+        self.log: Any = None
+        self.pipes: dict[int, int] = {}  # read end -> stream
+        self.pidfd = -1
+        self.returncode: int | None = None
+        self.exited_at: float | None = None
+        self.watchers: set[Client] = set()
+        self.released = False  # the daemon is done with it: forgotten once it has exited
+
+    @property
+    def running(self) -> bool:
+        return self.exited_at is None
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "launch_id": self.launch_id,
+            "token": self.token,
+            "argv": self.argv,
+            "pid": self.pid,
+            "started_at": self.started_at,
+            "running": self.running,
+            "returncode": self.returncode,
+            "exited_at": self.exited_at,
+            "closed": not self.pipes,
+            "log": self.log.path if self.log is not None else None,
+            "size": self.log.size if self.log is not None else 0,
+        }
+
+
+class Client:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reader = wire.Reader()
+        self.out = bytearray()
+        self.dropped: dict[str, int] = {}  # output not sent for want of room, by launch
+
+
+class Shim:
+    def __init__(self, folder: str, idle_exit_s: float) -> None:
+        self.dir, self.idle_exit_s = folder, idle_exit_s
+        self.sel = selectors.DefaultSelector()
+        self.servers: dict[str, Server] = {}
+        self.clients: set[Client] = set()
+        self.idle_since = time.monotonic()
+        self.done = False
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        path = os.path.join(folder, "shim.sock")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # the caller holds the lock: a socket left here is a dead shim's
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            self.listener.bind(path)  # mode 0600
+        finally:
+            os.umask(old)
+        self.listener.listen(16)
+        self.listener.setblocking(False)
+        self.sel.register(self.listener, selectors.EVENT_READ, ("accept", None))
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while not self.done:
+            for key, mask in self.sel.select(timeout=1.0):
+                what, obj = key.data
+                if what == "accept":
+                    self._accept()
+                elif what == "client":
+                    if mask & selectors.EVENT_READ:
+                        self._client_readable(obj)
+                    if mask & selectors.EVENT_WRITE and obj in self.clients:
+                        self._flush(obj)
+                elif what == "pipe":
+                    self._pipe_readable(obj, key.fd)
+                elif what == "exit":
+                    self._exited(obj)
+            busy = self.clients or any(s.running or s.pipes for s in self.servers.values())
+            if busy:
+                self.idle_since = time.monotonic()
+            elif self.idle_exit_s and time.monotonic() - self.idle_since > self.idle_exit_s:
+                self.done = True
+
+    def _accept(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            sock, _ = self.listener.accept()
+            sock.setblocking(False)
+            client = Client(sock)
+            self.clients.add(client)
+            self.sel.register(sock, selectors.EVENT_READ, ("client", client))
+
+    def _client_readable(self, client: Client) -> None:
+        try:
+            data = client.sock.recv(READ_SIZE)
+            frames = client.reader.feed(data) if data else None
+        except (OSError, ValueError):
+            frames = None
+        if frames is None:
+            self._drop_client(client)
+            return
+        for kind, message in frames:
+            if kind != wire.JSON:
+                continue
+            try:
+                reply = self._request(client, message)
+            except Exception as exc:  # a bad request never ends the shim
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            self._send(client, wire.json_frame({"req": message.get("req"), **reply}))
+
+    def _drop_client(self, client: Client) -> None:
+        self.clients.discard(client)
+        for server in self.servers.values():
+            server.watchers.discard(client)
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(client.sock)
+        client.sock.close()
+
+    def _send(self, client: Client, frame: bytes, output_of: str | None = None) -> None:
+        """Queue `frame`; output beyond the client's room is dropped for it, and counted."""
+        if client not in self.clients:
+            return
+        if output_of is not None and len(client.out) + len(frame) > CLIENT_BUFFER:
+            client.dropped[output_of] = client.dropped.get(output_of, 0) + len(frame)
+            return
+        was_empty = not client.out
+        client.out += frame
+        if was_empty:
+            self._flush(client)
+
+    def _flush(self, client: Client) -> None:
+        try:
+            sent = client.sock.send(client.out)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._drop_client(client)
+            return
+        del client.out[:sent]
+        if not client.out and client.dropped:
+            for launch_id, count in client.dropped.items():
+                note = {"event": "dropped", "launch_id": launch_id, "bytes": count}
+                client.out += wire.json_frame(note)
+            client.dropped = {}
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if client.out else 0)
+        self.sel.modify(client.sock, events, ("client", client))
+
+    def _notify(self, server: Server, event: str) -> None:
+        for client in list(server.watchers):
+            self._send(client, wire.json_frame({"event": event, **server.view()}))
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def _request(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg.get("op")
+        if op == "hello":
+            return {"version": list(wire.VERSION), "pid": os.getpid()}
+        if op == "list":
+            return {"servers": [s.view() for s in self.servers.values()]}
+        if op == "spawn":
+            return self._spawn(client, msg)
+        server = self.servers.get(str(msg.get("launch_id")))
+        if op == "exit":
+            if any(s.running for s in self.servers.values()):
+                return {"error": "servers are running"}
+            self.done = True
+            return {"ok": True}
+        if server is None:
+            return {"error": f"no server {msg.get('launch_id')!r}"}
+        if op == "attach":
+            server.watchers.add(client)
+            return server.view()
+        if op == "signal":
+            return {"ok": self._signal(server, int(msg["sig"]), bool(msg.get("group")))}
+        if op == "release":
+            self._release(server, str(msg.get("trailer") or ""))
+            return {"ok": True}
+        return {"error": f"unknown op {op!r}"}
+
+    def _spawn(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+        launch_id = str(msg["launch_id"])
+        if launch_id in self.servers:
+            return {"error": f"launch {launch_id} exists"}
+        argv, env = [str(a) for a in msg["argv"]], {str(k): str(v) for k, v in msg["env"].items()}
+        ends = [os.pipe(), os.pipe()]
+        try:
+            pid = os.posix_spawn(
+                str(msg.get("path") or argv[0]),
+                argv,
+                env,
+                file_actions=[
+                    (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                    (os.POSIX_SPAWN_DUP2, ends[0][1], 1),
+                    (os.POSIX_SPAWN_DUP2, ends[1][1], 2),
+                ],
+                setsid=True,
+                setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+            )
+        except OSError as exc:
+            for r, w in ends:
+                os.close(r)
+                os.close(w)
+            return {"error": "exec_failed", "detail": exc.strerror or str(exc)}
+        for _, w in ends:
+            os.close(w)
+        server = Server(launch_id, str(msg.get("token", "")), argv, pid)
+        self.servers[launch_id] = server
+        try:  # after the exec: the server need not wait for a file to be created
+            server.log = logfile.LogFile(
+                str(msg["log"]), str(msg.get("head", "")).encode(), max_bytes=msg.get("max_bytes")
+            )
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+            for r, _ in ends:
+                os.close(r)
+            server.log, server.released = None, True
+            self._watch_exit(server)
+            return {"error": "log_unwritable", "detail": f"{msg['log']}: {exc.strerror or exc}"}
+        for (r, _), stream in zip(ends, (1, 2), strict=True):
+            with contextlib.suppress(OSError):  # room for bursts while the shim is busy
+                fcntl.fcntl(r, F_SETPIPE_SZ, PIPE_SIZE)
+            os.set_blocking(r, False)
+            server.pipes[r] = stream
+            self.sel.register(r, selectors.EVENT_READ, ("pipe", server))
+        self._watch_exit(server)
+        server.watchers.add(client)
+        return {"pid": pid}
+
+    def _watch_exit(self, server: Server) -> None:
+        server.pidfd = os.pidfd_open(server.pid)
+        self.sel.register(server.pidfd, selectors.EVENT_READ, ("exit", server))
+
+    def _signal(self, server: Server, sig: int, group: bool) -> bool:
+        if not server.running:
+            return False
+        try:
+            if group:
+                os.killpg(server.pid, sig)
+            else:
+                signal.pidfd_send_signal(server.pidfd, sig)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def _release(self, server: Server, trailer: str) -> None:
+        """The daemon is done with it: a server still running is killed first (nothing the
+        shim started runs on unseen), its log closed with `trailer`, its record removed."""
+        if server.running:
+            self._signal(server, signal.SIGKILL, True)
+        for fd in list(server.pipes):
+            self._close_pipe(server, fd)
+        if server.log is not None:
+            server.log.close(f"# {trailer}\n".encode() if trailer else b"")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.dir, f"{server.launch_id}.exit"))
+        server.released = True
+        server.watchers.clear()
+        if not server.running:
+            self.servers.pop(server.launch_id, None)  # else its exit, still to come, does
+
+    # -- a server's output and exit ---------------------------------------------------------------
+
+    def _pipe_readable(self, server: Server, fd: int) -> None:
+        try:
+            data = os.read(fd, READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close_pipe(server, fd)
+            return
+        lines = server.log.feed(data, server.pipes[fd])
+        if lines:
+            frame = wire.output_frame(server.launch_id, server.pipes[fd], lines)
+            for client in list(server.watchers):
+                self._send(client, frame, output_of=server.launch_id)
+
+    def _close_pipe(self, server: Server, fd: int) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(fd)
+        os.close(fd)
+        stream = server.pipes.pop(fd)
+        if server.log is not None and not server.log.closed:
+            ended = server.log.end_stream(stream)
+            if ended:
+                frame = wire.output_frame(server.launch_id, stream, ended)
+                for client in list(server.watchers):
+                    self._send(client, frame, output_of=server.launch_id)
+        if not server.pipes:
+            self._notify(server, "closed")
+
+    def _exited(self, server: Server) -> None:
+        self.sel.unregister(server.pidfd)
+        try:
+            info = os.waitid(os.P_PIDFD, server.pidfd, os.WEXITED)
+        except ChildProcessError:
+            info = None
+        os.close(server.pidfd)
+        if info is not None:
+            code = info.si_status
+            server.returncode = code if info.si_code == os.CLD_EXITED else -code
+        server.exited_at = time.time()
+        record = {k: v for k, v in server.view().items() if k != "argv"}
+        path = os.path.join(self.dir, f"{server.launch_id}.exit")
+        with contextlib.suppress(OSError):
+            with open(path + ".tmp", "w") as f:
+                json.dump(record, f)
+            os.replace(path + ".tmp", path)
+        self._notify(server, "exit")
+        if server.released:
+            self.servers.pop(server.launch_id, None)
+
+
+def main(argv: list[str]) -> int:
+    folder, idle = "", 0.0
+    args = iter(argv)
+    for arg in args:
+        if arg == "--dir":
+            folder = next(args)
+        elif arg == "--idle-exit-s":
+            idle = float(next(args))
+    if not folder:
+        print("usage: shim.py --dir DIR [--idle-exit-s S]", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon's ^C is not the servers' end
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    # Its own errors go to <dir>/shim.log; stdout says once that it listens, then goes.
+    err = os.open(os.path.join(folder, "shim.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(err, 2)
+    os.close(err)
+    shim = Shim(folder, idle)
+    os.write(1, f"listening {os.getpid()}\n".encode())
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
+    shim.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,71 @@
+"""The shim's wire: frames on a local stream socket between the shim (`shim.py`) and the
+daemon. Standard library only and no package imports: the shim loads this file by its path.
+
+A frame is a 5-byte header (payload length, big-endian u32; kind, u8) and its payload:
+
+* `JSON` (0): one JSON object. A request names its `op` and a `req` number that its reply
+  carries back; a notice names its `event` (`exit`, `closed`, `dropped`).
+* `OUTPUT` (1): a launch's output as written to its log, whole lines: a u8 stream (1 stdout,
+  2 stderr), a u16 length and the launch id, then the bytes.
+
+`VERSION` is the protocol's: a daemon adopts servers from a shim of the same major version,
+whichever release of gpuwarden started it (`hello` answers the shim's).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+VERSION = (1, 0)
+JSON, OUTPUT = 0, 1
+HEADER = struct.Struct("!IB")
+OUT_HEADER = struct.Struct("!BH")
+MAX_FRAME = 16 * 1024 * 1024  # a request or notice larger than this is a broken peer
+
+
+def json_frame(message: dict[str, Any]) -> bytes:
+    payload = json.dumps(message, separators=(",", ":")).encode()
+    return HEADER.pack(len(payload), JSON) + payload
+
+
+def output_frame(launch_id: str, stream: int, data: bytes) -> bytes:
+    key = launch_id.encode()
+    head = OUT_HEADER.pack(stream, len(key)) + key
+    return HEADER.pack(len(head) + len(data), OUTPUT) + head + data
+
+
+class Reader:
+    """Frames out of a byte stream, as its bytes arrive (`feed` returns the whole ones)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[int, Any]]:
+        """`(JSON, dict)` or `(OUTPUT, (launch_id, stream, bytes))` for each whole frame.
+        Raises ValueError for a frame that is too large or does not decode."""
+        self._buf += data
+        frames: list[tuple[int, Any]] = []
+        while len(self._buf) >= HEADER.size:
+            size, kind = HEADER.unpack_from(self._buf)
+            if size > MAX_FRAME:
+                raise ValueError(f"a frame of {size} bytes")
+            end = HEADER.size + size
+            if len(self._buf) < end:
+                break
+            payload = bytes(self._buf[HEADER.size : end])
+            del self._buf[:end]
+            if kind == JSON:
+                message = json.loads(payload)
+                if not isinstance(message, dict):
+                    raise ValueError("a JSON frame that is not an object")
+                frames.append((JSON, message))
+            elif kind == OUTPUT:
+                stream, key_len = OUT_HEADER.unpack_from(payload)
+                start = OUT_HEADER.size
+                key = payload[start : start + key_len].decode()
+                frames.append((OUTPUT, (key, stream, payload[start + key_len :])))
+            else:
+                raise ValueError(f"a frame of unknown kind {kind}")
+        return frames
