@@ -10,7 +10,6 @@ import select
 import signal
 import socket
 import stat
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from gpuwarden.daemon.server import shim as shim_module
 from gpuwarden.daemon.server import shimwire
+
+from .support.shim import running_shim
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,40 +71,8 @@ class Client:
 @pytest.fixture
 def shim(tmp_path: Path) -> Iterator[Path]:
     folder = tmp_path / "shim"
-    proc = subprocess.Popen(
-        [sys.executable, "-I", "-S", shim_module.__file__, "--dir", str(folder)],
-        stdout=subprocess.PIPE,
-        start_new_session=True,
-    )
-    assert proc.stdout is not None
-    assert proc.stdout.readline().startswith(b"listening ")  # it listens from now on
-    try:
+    with running_shim(folder):
         yield folder
-    finally:
-        for pid in _servers_of(folder):
-            with _suppress():
-                os.killpg(pid, signal.SIGKILL)
-        proc.kill()
-        proc.wait()
-
-
-class _suppress:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return exc[0] is not None and issubclass(exc[0], ProcessLookupError)  # type: ignore[arg-type]
-
-
-def _servers_of(folder: Path) -> list[int]:
-    try:
-        client = Client(folder)
-    except OSError:
-        return []
-    try:
-        return [s["pid"] for s in client.request("list")["servers"] if s["running"]]
-    finally:
-        client.close()
 
 
 def _spawn(client: Client, tmp_path: Path, script: str, launch_id: str = "L1") -> dict[str, Any]:
