@@ -25,13 +25,17 @@ from .gpu import GpuBackend
 from .gpuwatch import GpuWatch, SampleTarget
 from .health import Prober
 from .launching import Launching
-from .messages import Message, PreviousServerStopped
+from .messages import EventNoted, Message, PreviousServerStopped
 from .probing import Probes
 from .records import Records
 from .retrying import Retry
+from .server import shimstart
+from .server.shimclient import ShimClient
 from .settings import Settings
 from .store import EventLog, StateStore
 from .tasks import Tasks
+
+SHIM_FALLBACK = "servers are started by the daemon itself: they do not outlive it"
 
 if TYPE_CHECKING:
     from .effects import ServerHandle, ServerLog
@@ -75,6 +79,7 @@ class Host:
             tasks=tasks,
             post=post,
             after_exec=self.records.flush,  # what the relaunch held back, now that it runs
+            shim=self._shim,
         )
         self.gpus = GpuWatch(
             settings=settings.gpu,
@@ -90,8 +95,38 @@ class Host:
         self.line_listeners = self.launching.line_listeners  # raw: redact to serve
         self.event_listeners = self.records.listeners
         self._settled: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self.shim: ShimClient | None = None  # with live_restore: the servers' parent
+        self._shim_lost_said = False
+
+    async def start_shim(self) -> None:
+        """With `live_restore`: the shim of the state directory, found or started, before the
+        boot (a previous life's servers run under it). One that cannot be had is said, and
+        servers are then started by the daemon itself (they do not outlive it)."""
+        if not self.settings.live_restore:
+            return
+        folder = self.settings.state_dir / "shim"
+        try:
+            self.shim, started = await shimstart.connect_or_start(folder)
+        except (OSError, ConnectionError) as exc:
+            self._event("shim_unavailable", error=str(exc), detail=SHIM_FALLBACK)
+            return
+        self._event("shim_connected", pid=self.shim.shim_pid, started=started is not None)
+
+    def _shim(self) -> ShimClient | None:
+        shim = self.shim
+        if shim is None or not shim.lost.done():
+            return shim
+        if not self._shim_lost_said:
+            self._shim_lost_said = True
+            self._event("shim_lost", error=shim.lost.result(), detail=SHIM_FALLBACK)
+        return None
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        self.post(EventNoted(kind, fields))
 
     async def close(self) -> None:
+        if self.shim is not None:
+            self.shim.close()  # the shim and its servers run on: a later life takes them
         await self.records.close()
         self.tasks.cancel_all()
         await self.probes.close()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .clock import Clock
-from .launchlog import LaunchLog, LogUnwritable
+from .launchlog import LaunchLog, LogUnwritable, header_bytes
 from .messages import (
     LineParsed,
     Message,
@@ -30,6 +30,7 @@ from .messages import (
 from .model import utc_iso
 from .resolvedconfig import redacted_header_lines
 from .server import local
+from .server.shimclient import ShimClient, ShimError, ShimFile, ShimServer
 from .sglanglines import Finding, ParsedLine
 from .tasks import Tasks
 
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 # scheduler watchdog logs the timeout, then waits 5 s before the SIGQUIT); older ones are not.
 DEATH_CONTEXT_S = 60.0
 FIRST_SLICE_S = 0.01
+SHIM_REFUSALS = ("exec_failed", "log_unwritable")  # the shim's words for a spawn it refused
 
 
 class Launching:
@@ -53,10 +55,12 @@ class Launching:
         tasks: Tasks,
         post: Callable[[Message], None],
         after_exec: Callable[[], None],
+        shim: Callable[[], ShimClient | None] = lambda: None,
     ) -> None:
         self.log_dir, self.log_max_bytes = log_dir, log_max_bytes
         self.clock, self.tasks, self.post = clock, tasks, post
         self.after_exec = after_exec  # once the server runs: what the relaunch held back
+        self.shim = shim  # with live_restore, the shim that runs the servers (None: we do)
         self.line_listeners: set[Callable[[list[str]], None]] = set()  # raw: redact to serve
         self._early: dict[int, list[Message]] = {}  # lines read before the spawn was posted
         # The servers' base environment: the daemon's, as it started (the daemon never changes
@@ -67,21 +71,39 @@ class Launching:
         self._early[launch.gen] = []
         # The exec in this very turn (posix_spawn returns at it): the server does not wait for
         # a task's turn of the loop. Its log, its pipes and its first slice are the task's.
-        cfg = launch.config
+        cfg, shim = launch.config, self.shim()
+        path = self.log_dir / cfg.name / f"{launch.launch_id}.log"
+        header = [] if shim is None else self._header(launch)  # the shim writes it first
         try:
             env = cfg.process_env(self.base_env)
-            child: ServerHandle | Exception = local.start(
-                cfg.argv, env, launch.launch_id, token=launch.token
-            )
+            if shim is None:
+                child: ServerHandle | Exception = local.start(
+                    cfg.argv, env, launch.launch_id, token=launch.token
+                )
+            else:
+                child = shim.spawn(
+                    launch_id=launch.launch_id,
+                    token=launch.token,
+                    path=local.executable(cfg.argv[0], env),
+                    argv=cfg.argv,
+                    env=env,
+                    log=path,
+                    head=header_bytes(header, launch.redactor.text).decode(),
+                    max_bytes=self.log_max_bytes,
+                )
         except Exception as exc:  # OSError from exec; anything else must not strand it
             child = exc
+        header = header or self._header(launch)
+        task = self.tasks.task(self._spawn(launch, path, header, child), gen=launch.gen)
+        task.add_done_callback(lambda t: self._spawn_ended(t, launch.gen, child))
+
+    def _header(self, launch: Launch) -> list[str]:
         header = [f"gpuwarden launch {launch.launch_id} at {utc_iso(self.clock.time())}"]
         try:
-            header += redacted_header_lines(cfg)
+            header += redacted_header_lines(launch.config)
         except Exception as exc:  # the server runs: it must reach the task that watches it
             header.append(f"(the config's lines could not be written: {exc!r})")
-        task = self.tasks.task(self._spawn(launch, header, child), gen=launch.gen)
-        task.add_done_callback(lambda t: self._spawn_ended(t, launch.gen, child))
+        return header
 
     def _spawn_ended(
         self, task: asyncio.Task[Any], gen: int, child: ServerHandle | Exception
@@ -99,10 +121,9 @@ class Launching:
         self.post(TaskFailed("spawn", gen, "cancelled before the server was watched"))
 
     async def _spawn(
-        self, launch: Launch, header: list[str], child: ServerHandle | Exception
+        self, launch: Launch, path: Path, header: list[str], child: ServerHandle | Exception
     ) -> None:
         cfg, gen = launch.config, launch.gen
-        path = self.log_dir / cfg.name / f"{launch.launch_id}.log"
 
         def open_log() -> LaunchLog:
             return LaunchLog(
@@ -112,10 +133,19 @@ class Launching:
                 redact=launch.redactor.text,
                 on_write=lambda error: self.post(WriteHealthChanged("launch_log", error)),
                 max_bytes=self.log_max_bytes,
+                file=ShimFile(child) if isinstance(child, ShimServer) else None,
             )
 
         posted = False
         try:
+            if isinstance(child, ShimServer):  # the shim's answer: its exec and its log
+                try:
+                    await child.spawned
+                except ShimError as refused:
+                    why = refused.reason if refused.reason in SHIM_REFUSALS else "internal_error"
+                    child = refused  # nothing of it runs
+                    self.post(SpawnFailed(gen, why, f"the shim: {refused.detail or refused}"))
+                    return
             if isinstance(child, Exception):
                 exc = child
                 why = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)

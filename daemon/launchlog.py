@@ -10,6 +10,7 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Protocol
 
 from .logfile import LogFile
 from .logring import Ring
@@ -34,6 +35,22 @@ def escape_controls(text: str) -> str:
     return _CONTROLS.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"), text)
 
 
+def header_bytes(header: Iterable[str], redact: Callable[[str], str]) -> bytes:
+    """A launch log's first lines: its header, redacted, one line each."""
+    return "".join(f"# {escape_controls(redact(h))}\n" for h in header).encode()
+
+
+class FileWriter(Protocol):
+    """What writes a launch's file: `LogFile` here, or the shim's side of it."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def feed(self, chunk: bytes, stream: int = 2) -> bytes: ...
+    def flush_partials(self) -> list[tuple[int, bytes]]: ...
+    def close(self, trailer: bytes = b"") -> None: ...
+
+
 class LaunchLog:
     """One launch's log file (`logfile.py`, its rules) plus its ring, fed with raw
     chunks from the child's pipes.
@@ -52,14 +69,18 @@ class LaunchLog:
         *,
         on_write: Callable[[str | None], None] | None = None,
         max_bytes: int | None = None,
+        file: FileWriter | None = None,
     ) -> None:
         self.path = path
         self.ring = ring or Ring()
         self.on_lines = on_lines
         self.redact = redact or (lambda s: s)
         self.lines = 0
-        head = "".join(f"# {escape_controls(self.redact(h))}\n" for h in header).encode()
+        if file is not None:  # written by another (the shim): it hands on whole lines
+            self.file = file
+            return
         try:
+            head = header_bytes(header, self.redact)
             self.file = LogFile(str(path), head, max_bytes=max_bytes, on_write=on_write)
         except OSError as exc:
             raise LogUnwritable(f"{path}: {exc.strerror or exc}") from exc

@@ -73,7 +73,7 @@ def record_level(record: dict[str, Any]) -> int:
         return logging.WARNING if to in ("backoff", "unhealthy") else logging.INFO
     if kind == "swap_settled":
         return logging.INFO if record.get("outcome") == "ready" else logging.ERROR
-    if kind in ("rollback", "internal_error", "write_failed", "preflight_refused"):
+    if kind in ("rollback", "internal_error", "write_failed", "preflight_refused", "shim_lost"):
         return logging.ERROR
     if kind in (
         "crash_loop",
@@ -83,6 +83,7 @@ def record_level(record: dict[str, Any]) -> int:
         "state_file_corrupt",
         "events_gap",
         "config_unreadable",
+        "shim_unavailable",
     ):
         return logging.WARNING
     return logging.INFO

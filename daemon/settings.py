@@ -120,6 +120,8 @@ class Settings(_Strict):
     http: HttpLimits = Field(default_factory=HttpLimits)  # type: ignore[arg-type]
     log_repeat_window_s: float = Field(60.0, gt=0)
     log_stream: LogStreamSettings = Field(default_factory=LogStreamSettings)  # type: ignore[arg-type]
+    # True: servers run under the shim (`server/shim.py`), which outlives the daemon.
+    live_restore: bool = False
 
     @field_validator("listen")
     @classmethod

@@ -369,28 +369,29 @@ class Shim:
 
 
 def main(argv: list[str]) -> int:
-    folder, idle = "", 0.0
-    args = iter(argv)
-    for arg in args:
-        if arg == "--dir":
-            folder = next(args)
-        elif arg == "--idle-exit-s":
-            idle = float(next(args))
-    if not folder:
+    opts = dict(zip(argv[::2], argv[1::2], strict=False))
+    folder, idle = opts.get("--dir", ""), float(opts.get("--idle-exit-s", 0))
+    if not folder or len(argv) % 2:
         print("usage: shim.py --dir DIR [--idle-exit-s S]", file=sys.stderr)
         return 2
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon's ^C is not the servers' end
     os.makedirs(folder, mode=0o700, exist_ok=True)
+    # One shim a folder, for its life: a second one started beside it says so and ends (its
+    # starter connects to the first).
+    lock = os.open(os.path.join(folder, "shim.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.write(1, b"running already\n")
+        return 0
     # Its own errors go to <dir>/shim.log; stdout says once that it listens, then goes.
     err = os.open(os.path.join(folder, "shim.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(err, 2)
     os.close(err)
     shim = Shim(folder, idle)
     os.write(1, f"listening {os.getpid()}\n".encode())
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 1)
-    os.close(null)
+    os.dup2(os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC), 1)
     shim.run()
     return 0
 

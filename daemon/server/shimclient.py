@@ -295,6 +295,25 @@ class ShimServer:
         self.release("")
 
 
+class ShimFile:
+    """A launch's log file as the shim writes it (a `launchlog.FileWriter`): what arrives is
+    whole lines, already in the file; closing it releases the server, with its trailer."""
+
+    def __init__(self, server: ShimServer) -> None:
+        self.server = server
+        self.closed = False
+
+    def feed(self, chunk: bytes, stream: int = 2) -> bytes:
+        return chunk
+
+    def flush_partials(self) -> list[tuple[int, bytes]]:
+        return []  # the shim ends the unfinished lines as the pipes close
+
+    def close(self, trailer: bytes = b"") -> None:
+        self.closed = True
+        self.server.release(trailer.decode(errors="replace").removeprefix("# ").rstrip("\n"))
+
+
 def _consume(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()

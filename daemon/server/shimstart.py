@@ -1,0 +1,93 @@
+"""The shim found or started: a daemon with `live_restore` connects to the shim of its state
+directory (a previous life's, still running its servers) or starts one, once, at its own start
+and never on the restart path.
+
+The shim is started by a bare interpreter (`python -I -S shim.py`: no site, no package imports
+but its two sibling files) in a session of its own, so it outlives the daemon. While this life
+of the daemon is its parent, its pid is owned (the reaper and the exit sweep leave it and the
+servers under it alone) and its exit is read from its pidfd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import select
+import signal
+import sys
+from pathlib import Path
+
+from . import reaper
+from .shimclient import ShimClient
+
+SHIM = Path(__file__).with_name("shim.py")
+START_TIMEOUT_S = 10.0
+
+
+async def connect_or_start(folder: Path) -> tuple[ShimClient, int | None]:
+    """The shim of `folder`, connected: one already running (None), or one started now (its
+    pid). OSError or ConnectionError when neither works."""
+    with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
+        return await ShimClient.connect(folder), None
+    pid = await asyncio.to_thread(_start, folder)
+    if pid is not None:
+        _reap_when_done(pid)
+    return await ShimClient.connect(folder), pid
+
+
+def _start(folder: Path) -> int | None:
+    """Start a shim; return once it listens (its pid), or once another is found to (None)."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    read_end, write_end = os.pipe()
+    try:
+        pid = os.posix_spawn(
+            sys.executable,
+            [sys.executable, "-I", "-S", str(SHIM), "--dir", str(folder)],
+            {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "TZ")},
+            file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_DUP2, write_end, 1),
+            ],
+            setsid=True,
+        )
+    finally:
+        os.close(write_end)
+    reaper.own(pid)
+    try:
+        ready, _, _ = select.select([read_end], [], [], START_TIMEOUT_S)
+        said = os.read(read_end, 256) if ready else b""
+    finally:
+        os.close(read_end)
+    if said.startswith(b"listening "):
+        return pid
+    _reap(pid)  # it ended (another shim holds the folder) or is wedged: not ours to keep
+    if said.startswith(b"running already"):
+        return None
+    raise OSError(f"the shim did not start: {said.decode(errors='replace').strip() or 'silent'}")
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+    reaper.disown(pid)
+
+
+def _reap_when_done(pid: int) -> None:
+    """Read the shim's exit while this life is its parent (else it would linger a zombie)."""
+    loop = asyncio.get_running_loop()
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return  # gone already; the orphan reaper takes it
+
+    def exited() -> None:
+        loop.remove_reader(pidfd)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
+        os.close(pidfd)
+        reaper.disown(pid)
+
+    loop.add_reader(pidfd, exited)
