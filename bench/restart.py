@@ -132,13 +132,18 @@ class Runner:
     """One tool under the gated child, and its rounds."""
 
     def __init__(
-        self, name: str, root: Path, gpu_backend: str = "none", no_site: bool = False
+        self,
+        name: str,
+        root: Path,
+        gpu_backend: str = "none",
+        no_site: bool = False,
+        live_restore: bool = False,
     ) -> None:
         self.name = name
         self.path = root / f"{name}-stamps.txt"
         # gpuwarden's GPU backend: none (the default), or nvml on a GPU host, where the sweep
         # and the GPU wait on the restart path ask NVML.
-        gpu = {"gpu": {"backend": gpu_backend}}
+        gpu: dict[str, Any] = {"gpu": {"backend": gpu_backend}, "live_restore": live_restore}
         argv = peers.py(GATED, str(self.path))
         if no_site:  # the child's Python skips `site` (see --no-site)
             argv.insert(1, "-S")
@@ -173,12 +178,16 @@ class Runner:
 
 @contextlib.contextmanager
 def started(
-    names: list[str], root: Path, gpu_backend: str = "none", no_site: bool = False
+    names: list[str],
+    root: Path,
+    gpu_backend: str = "none",
+    no_site: bool = False,
+    live_restore: bool = False,
 ) -> Iterator[list[Runner]]:
     runners: list[Runner] = []
     try:
         for name in names:
-            runner = Runner(name, root, gpu_backend, no_site)
+            runner = Runner(name, root, gpu_backend, no_site, live_restore)
             runners.append(runner)
             runner.tool.start()
             poll(lambda r=runner: bool(r.starts()), 60, f"{name}: its first child")
@@ -187,15 +196,31 @@ def started(
         for runner in runners:
             with contextlib.suppress(Exception):
                 runner.tool.close()
+        end_shims(root)
+
+
+def end_shims(root: Path) -> None:
+    """The shims a `live_restore` run started outlive its daemon by design: ended here."""
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        with contextlib.suppress(OSError):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"shim.py" in cmdline and str(root).encode() in cmdline:
+                os.kill(pid, signal.SIGKILL)
 
 
 def interleaved(
-    names: list[str], rounds: int, root: Path, gpu_backend: str = "none", no_site: bool = False
+    names: list[str],
+    rounds: int,
+    root: Path,
+    gpu_backend: str = "none",
+    no_site: bool = False,
+    *,
+    live_restore: bool = False,
 ) -> dict[str, dict[str, list[float]]]:
     """Each tool's crash -> next start and exit -> report times (s), `rounds` interleaved
     rounds after the warm-up; `names` from TOOLS."""
     root.mkdir(parents=True, exist_ok=True)
-    with started(names, root, gpu_backend, no_site) as runners:
+    with started(names, root, gpu_backend, no_site, live_restore) as runners:
         for i in range(WARMUP + rounds):
             k = i % len(runners)
             for runner in runners[k:] + runners[:k]:
@@ -287,6 +312,11 @@ def main() -> int:
         help="the child runs `python -S`: where Python's site is heavy (a venv of ML packages"
         " with .pth files) its start takes tens of ms and varies by more than the tools differ",
     )
+    ap.add_argument(
+        "--live-restore",
+        action="store_true",
+        help="gpuwarden with live_restore: true (its servers run under the shim)",
+    )
     args = ap.parse_args()
     if args.repeat < 1 or args.rounds < 1:
         ap.error("--repeat and --rounds must be at least 1")
@@ -300,13 +330,21 @@ def main() -> int:
     print(
         f"{peers.machine()['cpu']}, {os.cpu_count()} cores; {', '.join(names)}; "
         f"gpuwarden's GPU backend: {args.gpu_backend}"
-        + ("; the child without site (-S)" if args.no_site else ""),
+        + ("; the child without site (-S)" if args.no_site else "")
+        + ("; gpuwarden with live_restore (the shim)" if args.live_restore else ""),
         flush=True,
     )
     verdicts = []
     for n in range(1, args.repeat + 1):
         with tempfile.TemporaryDirectory() as tmp:
-            res = interleaved(names, args.rounds, Path(tmp), args.gpu_backend, args.no_site)
+            res = interleaved(
+                names,
+                args.rounds,
+                Path(tmp),
+                args.gpu_backend,
+                args.no_site,
+                live_restore=args.live_restore,
+            )
         verdicts.append(judge(res))
         print(report_run(n, args.repeat, args.rounds, res), flush=True)
     print(summary(verdicts))

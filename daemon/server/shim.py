@@ -357,13 +357,13 @@ class Shim:
             code = info.si_status
             server.returncode = code if info.si_code == os.CLD_EXITED else -code
         server.exited_at = time.time()
+        self._notify(server, "exit")  # first: the daemon's restart path waits on it
         record = {k: v for k, v in server.view().items() if k != "argv"}
         path = os.path.join(self.dir, f"{server.launch_id}.exit")
         with contextlib.suppress(OSError):
             with open(path + ".tmp", "w") as f:
                 json.dump(record, f)
             os.replace(path + ".tmp", path)
-        self._notify(server, "exit")
         if server.released:
             self.servers.pop(server.launch_id, None)
 
