@@ -212,8 +212,11 @@ class Supervisor:
         self._inbox.put_nowait((msg, reply))
         return await reply
 
-    def _take_ticket(self) -> int:
+    def _take_ticket(self, op: str, config: str | None = None) -> int:
+        """A command's place among stops, taken as it arrives (and said in the daemon's log:
+        when each command was asked, in the order that decides which wins)."""
         self._ticket += 1
+        log.info("api.command", op=op, config=config, ticket=self._ticket)
         return self._ticket
 
     async def check(self, name: str) -> PreflightResult:
@@ -224,7 +227,7 @@ class Supervisor:
         return await self.preflight.check(cfg, replacing_port=self.snapshot().replacing_port)
 
     async def start(self, config: str | None = None) -> Any:
-        ticket = self._take_ticket()  # before any await: its place among stops
+        ticket = self._take_ticket("start", config)  # before any await: its place among stops
         name = config or self.snapshot().intent_config or self.settings.default_config
         cfg, invalid = await reading.for_command(self.configs, name)
         pre = invalid if cfg is None else await self.preflight.check(cfg)
@@ -233,7 +236,7 @@ class Supervisor:
         )
 
     async def stop(self) -> Any:
-        ticket = self._take_ticket()
+        ticket = self._take_ticket("stop")
         if self.sweeps is not None:
             await (
                 self.sweeps.cancel_for_stop()
@@ -252,7 +255,7 @@ class Supervisor:
         a refused one touches nothing. `ensure`: nothing to do if that config is ready.
         `probation` (with `wait`): a swap that came up is answered once its probation is over,
         so `ready` means it stayed up for probation_s (a crash in it answers the rollback)."""
-        ticket = self._take_ticket()
+        ticket = self._take_ticket("restart", config)
         snap = self.snapshot()
         cfg = await reading.resolve(
             self.configs, config or snap.intent_config or self.settings.default_config

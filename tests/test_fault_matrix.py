@@ -684,6 +684,15 @@ def test_metrics_count_write_failures_per_target(
 # -- what operators rely on is true ------------------------------------------------------------------
 
 
+def restarts_taken(d: Daemon) -> int:
+    """The restarts the daemon has taken (given their place among stops), by its log."""
+    return sum(
+        1
+        for stream, line in list(d.proc.lines)
+        if stream == "stderr" and '"event": "api.command"' in line and '"op": "restart"' in line
+    )
+
+
 def test_stop_wins_over_restarts_whose_preflight_finishes_after_it(
     procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
@@ -710,9 +719,11 @@ def test_stop_wins_over_restarts_whose_preflight_finishes_after_it(
         swaps = [
             pool.submit(swapper.post, "/restart", params={"config": "other"}) for _ in range(20)
         ]
-        # All 20 asked before the stop (a request still in a client thread when the stop goes
-        # out is asked after it, and is rightly carried out), and their preflights under way.
+        # All 20 asked before the stop: each taken by the daemon (its `api.command` line; one
+        # still on its way when the stop is taken is asked after it, and rightly carried out),
+        # and their preflights under way.
         wait_until(lambda: len(sent) == 20, 20, "the 20 swaps sent")
+        wait_until(lambda: restarts_taken(d) == 20, 20, "the 20 swaps taken by the daemon")
         wait_until(preflighting, 20, "a swap's preflight under way")
         assert d.http.post("/stop").status_code == 202
         stop_index = d.wait_state("stopped")["_index"]
