@@ -103,6 +103,7 @@ def test_a_server_runs_its_output_is_logged_and_its_exit_recorded(
     log = (tmp_path / "logs" / "L1.log").read_bytes()
     assert log.startswith(b"# header\n") and b"out line\n" in log and b"err line\n" in log
     assert b"out line" in output or b"out line" in log  # handed on as written
+    client.request("list")  # answered after the turn that told of the exit wrote its record
     record = json.loads((shim / "L1.exit").read_text())
     assert record["returncode"] == 3 and record["exited_at"] and record["pid"] == reply["pid"]
     assert stat.S_IMODE((shim / "shim.sock").stat().st_mode) == 0o600
@@ -190,3 +191,31 @@ def test_release_ends_a_running_server_and_bad_requests_leave_the_shim_serving(
     finally:
         os.close(gone)
     assert (tmp_path / "logs" / "L1.log").read_bytes().endswith(b"# released\n")
+
+
+def test_hostile_requests_are_refused_and_cost_the_shim_nothing(shim: Path, tmp_path: Path) -> None:
+    client = Client(shim)
+    shim_pid = client.request("hello")["pid"]
+    base = dict(token="t", argv=[sys.executable, "-c", "pass"], env={}, head="")
+    for bad in (
+        {"launch_id": "../escape", "log": str(tmp_path / "a.log")},  # out of its folder
+        {"launch_id": "x" * 70_000, "log": str(tmp_path / "b.log")},
+        {"launch_id": "ok", "log": str(tmp_path / "c.log"), "max_bytes": "100"},
+        {"launch_id": "ok", "log": str(tmp_path / "d.log"), "env": {"A=B": "1"}},
+        {"launch_id": "ok", "log": "nul\0path"},
+        {"launch_id": "ok", "log": str(tmp_path / "e.log"), "argv": []},
+    ):
+        assert "error" in client.request("spawn", **{**base, **bad}), bad
+    assert not (tmp_path / "escape.exit").exists() and not (shim.parent / "escape.exit").exists()
+    for broken in (b"\x00\x00\x00\x01\x01\x01", b"\x00\x00\x00\x05\x00" + b"[" * 5):
+        other = Client(shim)
+        other.sock.sendall(broken)  # that client goes; the shim serves on
+        with pytest.raises(EOFError):
+            other.next_frame()
+    fds = len(os.listdir(f"/proc/{shim_pid}/fd"))
+    for i in range(20):  # a server's whole life, twenty times: nothing of it is kept
+        client.request("spawn", **{**base, "launch_id": f"c{i}", "log": str(tmp_path / f"{i}.log")})
+        client.until_event("exit")
+        client.request("release", launch_id=f"c{i}")
+    assert len(os.listdir(f"/proc/{shim_pid}/fd")) == fds
+    assert client.request("list")["servers"] == []

@@ -9,7 +9,8 @@ in memory and in `<dir>/<launch_id>.exit`. The daemon may stop, crash or be repl
 meanwhile: a later daemon connects again, lists what runs and attaches to it.
 
 Run as a file by a bare interpreter (`python -I -S shim.py --dir DIR`): standard library
-only, with `logfile.py` and `shimwire.py` loaded by their paths, so it stays small. It
+only, with `shimwire.py` and `shimproc.py` (and through it `logfile.py`) loaded by their
+paths, so it stays small. It
 listens on `<dir>/shim.sock` (mode 0600) and serves one request at a time from each of its
 clients (see `shimwire.py` and `shimclient.py`). A client that does not read is never waited
 for: its output beyond `CLIENT_BUFFER` is dropped for it (the file has it) and it is told.
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.util
-import json
 import os
 import selectors
 import signal
@@ -42,46 +42,12 @@ def _load(name: str, path: str) -> Any:
 
 
 wire = _load("wire", os.path.join(_HERE, "shimwire.py"))
-logfile = _load("logfile", os.path.join(os.path.dirname(_HERE), "logfile.py"))
+proc = _load("proc", os.path.join(_HERE, "shimproc.py"))
 
 READ_SIZE = 64 * 1024
 PIPE_SIZE = 1 << 20
 F_SETPIPE_SZ = 1031
 CLIENT_BUFFER = 8 * 1024 * 1024
-
-
-class Server:
-    """One server the shim runs, until the daemon releases it."""
-
-    def __init__(self, launch_id: str, token: str, argv: list[str], pid: int) -> None:
-        self.launch_id, self.token, self.argv, self.pid = launch_id, token, argv, pid
-        self.started_at = time.time()
-        self.log: Any = None
-        self.pipes: dict[int, int] = {}  # read end -> stream
-        self.pidfd = -1
-        self.returncode: int | None = None
-        self.exited_at: float | None = None
-        self.watchers: set[Client] = set()
-        self.released = False  # the daemon is done with it: forgotten once it has exited
-
-    @property
-    def running(self) -> bool:
-        return self.exited_at is None
-
-    def view(self) -> dict[str, Any]:
-        return {
-            "launch_id": self.launch_id,
-            "token": self.token,
-            "argv": self.argv,
-            "pid": self.pid,
-            "started_at": self.started_at,
-            "running": self.running,
-            "returncode": self.returncode,
-            "exited_at": self.exited_at,
-            "closed": not self.pipes,
-            "log": self.log.path if self.log is not None else None,
-            "size": self.log.size if self.log is not None else 0,
-        }
 
 
 class Client:
@@ -96,10 +62,12 @@ class Shim:
     def __init__(self, folder: str, idle_exit_s: float) -> None:
         self.dir, self.idle_exit_s = folder, idle_exit_s
         self.sel = selectors.DefaultSelector()
-        self.servers: dict[str, Server] = {}
+        self.servers: dict[str, Any] = {}  # launch id -> `shimproc.Server`
         self.clients: set[Client] = set()
         self.idle_since = time.monotonic()
         self.done = False
+        self.accept_paused: float | None = None
+        self.term_asked = False  # SIGTERM: end once nothing runs (the servers never go with it)
         os.makedirs(folder, mode=0o700, exist_ok=True)
         path = os.path.join(folder, "shim.sock")
         with contextlib.suppress(FileNotFoundError):
@@ -127,35 +95,47 @@ class Shim:
                         self._client_readable(obj)
                     if mask & selectors.EVENT_WRITE and obj in self.clients:
                         self._flush(obj)
-                elif what == "pipe":
+                elif what == "pipe" and key.fd in obj.pipes:  # not closed earlier in the batch
                     self._pipe_readable(obj, key.fd)
-                elif what == "exit":
+                elif what == "exit" and obj.pidfd == key.fd and obj.running:
                     self._exited(obj)
-            busy = self.clients or any(s.running or s.pipes for s in self.servers.values())
+            if self.accept_paused is not None and time.monotonic() - self.accept_paused > 1:
+                self.accept_paused = None
+                self.sel.register(self.listener, selectors.EVENT_READ, ("accept", None))
+            running = any(s.running or s.pipes for s in self.servers.values())
+            if self.term_asked and not running:
+                self.done = True
+            busy = self.clients or running
             if busy:
                 self.idle_since = time.monotonic()
             elif self.idle_exit_s and time.monotonic() - self.idle_since > self.idle_exit_s:
                 self.done = True
 
     def _accept(self) -> None:
-        with contextlib.suppress(BlockingIOError):
+        try:
             sock, _ = self.listener.accept()
-            sock.setblocking(False)
-            client = Client(sock)
-            self.clients.add(client)
-            self.sel.register(sock, selectors.EVENT_READ, ("client", client))
+        except BlockingIOError:
+            return
+        except OSError:  # out of descriptors: stop accepting for a second, not spin
+            self.sel.unregister(self.listener)
+            self.accept_paused = time.monotonic()
+            return
+        sock.setblocking(False)
+        client = Client(sock)
+        self.clients.add(client)
+        self.sel.register(sock, selectors.EVENT_READ, ("client", client))
 
     def _client_readable(self, client: Client) -> None:
         try:
             data = client.sock.recv(READ_SIZE)
             frames = client.reader.feed(data) if data else None
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # gone, or a broken frame: that client goes
             frames = None
         if frames is None:
             self._drop_client(client)
             return
         for kind, message in frames:
-            if kind != wire.JSON:
+            if kind != wire.JSON or client not in self.clients:
                 continue
             try:
                 reply = self._request(client, message)
@@ -177,6 +157,9 @@ class Shim:
             return
         if output_of is not None and len(client.out) + len(frame) > CLIENT_BUFFER:
             client.dropped[output_of] = client.dropped.get(output_of, 0) + len(frame)
+            return
+        if len(client.out) + len(frame) > 2 * CLIENT_BUFFER:  # nor replies: it goes
+            self._drop_client(client)
             return
         was_empty = not client.out
         client.out += frame
@@ -200,7 +183,7 @@ class Shim:
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if client.out else 0)
         self.sel.modify(client.sock, events, ("client", client))
 
-    def _notify(self, server: Server, event: str) -> None:
+    def _notify(self, server: Any, event: str) -> None:
         for client in list(server.watchers):
             self._send(client, wire.json_frame({"event": event, **server.view()}))
 
@@ -216,7 +199,7 @@ class Shim:
             return self._spawn(client, msg)
         server = self.servers.get(str(msg.get("launch_id")))
         if op == "exit":
-            if any(s.running for s in self.servers.values()):
+            if any(s.running or s.pipes for s in self.servers.values()):
                 return {"error": "servers are running"}
             self.done = True
             return {"ok": True}
@@ -224,7 +207,8 @@ class Shim:
             return {"error": f"no server {msg.get('launch_id')!r}"}
         if op == "attach":
             server.watchers.add(client)
-            return server.view()
+            view: dict[str, Any] = server.view()
+            return view
         if op == "signal":
             return {"ok": self._signal(server, int(msg["sig"]), bool(msg.get("group")))}
         if op == "release":
@@ -233,60 +217,42 @@ class Shim:
         return {"error": f"unknown op {op!r}"}
 
     def _spawn(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
-        launch_id = str(msg["launch_id"])
+        req = wire.spawn_request(msg)  # checked before anything is made of it
+        launch_id = req["launch_id"]
         if launch_id in self.servers:
             return {"error": f"launch {launch_id} exists"}
-        argv, env = [str(a) for a in msg["argv"]], {str(k): str(v) for k, v in msg["env"].items()}
-        ends = [os.pipe(), os.pipe()]
         try:
-            pid = os.posix_spawn(
-                str(msg.get("path") or argv[0]),
-                argv,
-                env,
-                file_actions=[
-                    (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                    (os.POSIX_SPAWN_DUP2, ends[0][1], 1),
-                    (os.POSIX_SPAWN_DUP2, ends[1][1], 2),
-                ],
-                setsid=True,
-                setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
-            )
-        except OSError as exc:
-            for r, w in ends:
-                os.close(r)
-                os.close(w)
-            return {"error": "exec_failed", "detail": exc.strerror or str(exc)}
-        for _, w in ends:
-            os.close(w)
-        server = Server(launch_id, str(msg.get("token", "")), argv, pid)
+            ends, pid = proc.execute(req)
+        except Exception as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            return {"error": "exec_failed", "detail": why}
+        server = proc.Server(launch_id, req["token"], req["argv"], pid)
         self.servers[launch_id] = server
+        self._watch_exit(server)  # from its exec on, its exit is read whatever follows
         try:  # after the exec: the server need not wait for a file to be created
-            server.log = logfile.LogFile(
-                str(msg["log"]), str(msg.get("head", "")).encode(), max_bytes=msg.get("max_bytes")
-            )
-        except OSError as exc:
+            server.log = proc.logfile.LogFile(req["log"], req["head"], max_bytes=req["max_bytes"])
+        except Exception as exc:
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)
             for r, _ in ends:
                 os.close(r)
             server.log, server.released = None, True
-            self._watch_exit(server)
-            return {"error": "log_unwritable", "detail": f"{msg['log']}: {exc.strerror or exc}"}
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            return {"error": "log_unwritable", "detail": f"{req['log']}: {why}"}
         for (r, _), stream in zip(ends, (1, 2), strict=True):
             with contextlib.suppress(OSError):  # room for bursts while the shim is busy
                 fcntl.fcntl(r, F_SETPIPE_SZ, PIPE_SIZE)
             os.set_blocking(r, False)
             server.pipes[r] = stream
             self.sel.register(r, selectors.EVENT_READ, ("pipe", server))
-        self._watch_exit(server)
         server.watchers.add(client)
         return {"pid": pid}
 
-    def _watch_exit(self, server: Server) -> None:
+    def _watch_exit(self, server: Any) -> None:
         server.pidfd = os.pidfd_open(server.pid)
         self.sel.register(server.pidfd, selectors.EVENT_READ, ("exit", server))
 
-    def _signal(self, server: Server, sig: int, group: bool) -> bool:
+    def _signal(self, server: Any, sig: int, group: bool) -> bool:
         if not server.running:
             return False
         try:
@@ -298,11 +264,12 @@ class Shim:
             return False
         return True
 
-    def _release(self, server: Server, trailer: str) -> None:
+    def _release(self, server: Any, trailer: str) -> None:
         """The daemon is done with it: a server still running is killed first (nothing the
         shim started runs on unseen), its log closed with `trailer`, its record removed."""
-        if server.running:
-            self._signal(server, signal.SIGKILL, True)
+        if server.running or server.pipes:  # its group: also what its exited leader left
+            with contextlib.suppress(OSError):
+                os.killpg(server.pid, signal.SIGKILL)
         for fd in list(server.pipes):
             self._close_pipe(server, fd)
         if server.log is not None:
@@ -316,7 +283,7 @@ class Shim:
 
     # -- a server's output and exit ---------------------------------------------------------------
 
-    def _pipe_readable(self, server: Server, fd: int) -> None:
+    def _pipe_readable(self, server: Any, fd: int) -> None:
         try:
             data = os.read(fd, READ_SIZE)
         except BlockingIOError:
@@ -332,10 +299,11 @@ class Shim:
             for client in list(server.watchers):
                 self._send(client, frame, output_of=server.launch_id)
 
-    def _close_pipe(self, server: Server, fd: int) -> None:
+    def _close_pipe(self, server: Any, fd: int) -> None:
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(fd)
-        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
         stream = server.pipes.pop(fd)
         if server.log is not None and not server.log.closed:
             ended = server.log.end_stream(stream)
@@ -346,26 +314,14 @@ class Shim:
         if not server.pipes:
             self._notify(server, "closed")
 
-    def _exited(self, server: Server) -> None:
+    def _exited(self, server: Any) -> None:
         self.sel.unregister(server.pidfd)
-        try:
-            info = os.waitid(os.P_PIDFD, server.pidfd, os.WEXITED)
-        except ChildProcessError:
-            info = None
-        os.close(server.pidfd)
-        if info is not None:
-            code = info.si_status
-            server.returncode = code if info.si_code == os.CLD_EXITED else -code
-        server.exited_at = time.time()
+        proc.reap(server)
         self._notify(server, "exit")  # first: the daemon's restart path waits on it
-        record = {k: v for k, v in server.view().items() if k != "argv"}
-        path = os.path.join(self.dir, f"{server.launch_id}.exit")
-        with contextlib.suppress(OSError):
-            with open(path + ".tmp", "w") as f:
-                json.dump(record, f)
-            os.replace(path + ".tmp", path)
         if server.released:
             self.servers.pop(server.launch_id, None)
+            return
+        proc.write_record(server, self.dir)
 
 
 def main(argv: list[str]) -> int:
@@ -374,8 +330,8 @@ def main(argv: list[str]) -> int:
     if not folder or len(argv) % 2:
         print("usage: shim.py --dir DIR [--idle-exit-s S]", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon's ^C is not the servers' end
+    for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGHUP):  # a terminal's or the daemon's
+        signal.signal(sig, signal.SIG_IGN)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     # One shim a folder, for its life: a second one started beside it says so and ends (its
     # starter connects to the first).
@@ -392,7 +348,15 @@ def main(argv: list[str]) -> int:
     shim = Shim(folder, idle)
     os.write(1, f"listening {os.getpid()}\n".encode())
     os.dup2(os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC), 1)
+
+    def asked_to_end(signum: int, frame: object) -> None:
+        shim.term_asked = True  # once no server runs: its servers never end with it
+
+    signal.signal(signal.SIGTERM, asked_to_end)
     shim.run()
+    for server in shim.servers.values():  # unfinished lines ended, files closed
+        if server.log is not None:
+            server.log.close()
     return 0
 
 

@@ -15,6 +15,7 @@ whichever release of gpuwarden started it (`hello` answers the shim's).
 from __future__ import annotations
 
 import json
+import re
 import struct
 from typing import Any
 
@@ -23,6 +24,54 @@ JSON, OUTPUT = 0, 1
 HEADER = struct.Struct("!IB")
 OUT_HEADER = struct.Struct("!BH")
 MAX_FRAME = 16 * 1024 * 1024  # a request or notice larger than this is a broken peer
+
+
+LAUNCH_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def spawn_request(msg: dict[str, Any]) -> dict[str, Any]:
+    """A `spawn` request's fields, checked before anything is made of them (ValueError)."""
+    launch_id = msg.get("launch_id")
+    if not isinstance(launch_id, str) or not LAUNCH_ID.fullmatch(launch_id):
+        raise ValueError(f"launch_id must match {LAUNCH_ID.pattern}")
+    argv, env, log = msg.get("argv"), msg.get("env") or {}, msg.get("log")
+    if not isinstance(argv, list) or not argv or not all(_arg(a) for a in argv):
+        raise ValueError("argv must be a non-empty list of strings without NUL")
+    path = msg.get("path") or argv[0]
+    if not isinstance(env, dict) or not all(
+        _arg(k) and k and "=" not in k and _arg(v) for k, v in env.items()
+    ):
+        raise ValueError("env must map names (no '=', no NUL) to strings without NUL")
+    if not _arg(log) or not log or not _arg(path):
+        raise ValueError("log and path must be strings without NUL")
+    max_bytes = msg.get("max_bytes")
+    if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 1):
+        raise ValueError("max_bytes must be a positive integer or null")
+    head = msg.get("head") or ""
+    if not isinstance(head, str):
+        raise ValueError("head must be a string")
+    token = str(msg.get("token") or "")
+    return {
+        "launch_id": launch_id,
+        "token": token,
+        "argv": argv,
+        "env": env,
+        "path": path,
+        "log": log,
+        "max_bytes": max_bytes,
+        "head": head.encode(errors="replace"),
+    }
+
+
+def _arg(value: Any) -> bool:
+    """A string exec and the filesystem take: no NUL, encodable as the OS encodes names."""
+    if not isinstance(value, str) or "\0" in value:
+        return False
+    try:
+        value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def json_frame(message: dict[str, Any]) -> bytes:
@@ -44,7 +93,14 @@ class Reader:
 
     def feed(self, data: bytes) -> list[tuple[int, Any]]:
         """`(JSON, dict)` or `(OUTPUT, (launch_id, stream, bytes))` for each whole frame.
-        Raises ValueError for a frame that is too large or does not decode."""
+        Raises ValueError for a frame that is too large or does not decode, whatever its
+        bytes."""
+        try:
+            return self._feed(data)
+        except (ValueError, struct.error, RecursionError, UnicodeDecodeError) as exc:
+            raise ValueError(f"a broken frame: {exc!r}") from None
+
+    def _feed(self, data: bytes) -> list[tuple[int, Any]]:
         self._buf += data
         frames: list[tuple[int, Any]] = []
         while len(self._buf) >= HEADER.size:
