@@ -213,8 +213,7 @@ class Supervisor:
         return await reply
 
     def _take_ticket(self, op: str, config: str | None = None) -> int:
-        """A command's place among stops, taken as it arrives (and said in the daemon's log:
-        when each command was asked, in the order that decides which wins)."""
+        """A command's place among stops, taken and logged (`api.command`) as it arrives."""
         self._ticket += 1
         log.info("api.command", op=op, config=config, ticket=self._ticket)
         return self._ticket
