@@ -9,8 +9,8 @@ in memory and in `<dir>/<launch_id>.exit`. The daemon may stop, crash or be repl
 meanwhile: a later daemon connects again, lists what runs and attaches to it.
 
 Run as a file by a bare interpreter (`python -I -S shim.py --dir DIR`): standard library
-only, with `shimwire.py` and `shimproc.py` (and through it `logfile.py`) loaded by their
-paths, so it stays small. It
+only, with `shimwire.py`, `shimproc.py` and `logfile.py` loaded by their paths, so it stays
+small. It
 listens on `<dir>/shim.sock` (mode 0600) and serves one request at a time from each of its
 clients (see `shimwire.py` and `shimclient.py`). A client that does not read is never waited
 for: its output beyond `CLIENT_BUFFER` is dropped for it (the file has it) and it is told.
@@ -43,6 +43,7 @@ def _load(name: str, path: str) -> Any:
 
 wire = _load("wire", os.path.join(_HERE, "shimwire.py"))
 proc = _load("proc", os.path.join(_HERE, "shimproc.py"))
+logfile = _load("logfile", os.path.join(os.path.dirname(_HERE), "logfile.py"))
 
 READ_SIZE = 64 * 1024
 PIPE_SIZE = 1 << 20
@@ -230,7 +231,7 @@ class Shim:
         self.servers[launch_id] = server
         self._watch_exit(server)  # from its exec on, its exit is read whatever follows
         try:  # after the exec: the server need not wait for a file to be created
-            server.log = proc.logfile.LogFile(req["log"], req["head"], max_bytes=req["max_bytes"])
+            server.log = logfile.LogFile(req["log"], req["head"], max_bytes=req["max_bytes"])
         except Exception as exc:
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)

@@ -1,31 +1,16 @@
 """The shim's side of one server process (`shim.py` loads this file by its path): its exec,
 its record, its reaping and the exit record written the moment it ends. Standard library only
-and no package imports, with `logfile.py` loaded by its path as well.
+and no package imports.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import signal
-import sys
 import time
 from typing import Any
-
-
-def _load(name: str, path: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"_gpuwarden_shim_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-logfile = _load("logfile", os.path.join(os.path.dirname(_HERE), "logfile.py"))
 
 
 class Server:
