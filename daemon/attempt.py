@@ -7,7 +7,8 @@ its end. What a step leads to is the machine's to decide, and what an end means 
 The machine owns the state, and takes each step here as part of its handling of a message,
 beside its transition. The `Launch` fields written here (and
 only here) are its steps' (`launch_id`, `redactor`, `spawning`, `child`, `log`, the times) and
-its end's (`next`, `next_config`, `imposed`, `exited`, `returncode`).
+its end's (`next`, `next_config`, `imposed`, `exited`, `returncode`, `exited_at`). A launch
+adopted from a previous life (`adopt`) gets them from that life's record.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .messages import GraceExpired, StableUptimeReached, StartupTimedOut
-from .model import Launch, Next
+from .model import Adoptee, Launch, Next
 from .policy import Classification, classify_end
 from .redact import Redactor
 
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
     from .ledger import Ledger
     from .resolvedconfig import ResolvedConfig
     from .settings import Settings
+
+
+def _time(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) else None
 
 
 class Attempts:
@@ -68,6 +73,44 @@ class Attempts:
         self.ledger.note_write_health("launch_log", None)  # a new file: any gap is over
         launch.started_at, launch.started_mono = self.clock.time(), self.clock.monotonic()
         self.ledger.launch_started(launch, server.pid, str(log.path))
+
+    def adopt(self, launch: Launch, adoptee: Adoptee) -> None:
+        """A previous life's server, taken over as it runs (or as it ended while the daemon
+        was away): its steps as that life recorded them. Its log comes with `adopted`."""
+        r, now, mono = adoptee.record, self.clock.time(), self.clock.monotonic()
+        launch.launch_id, launch.token = str(r["launch_id"]), str(r["token"])
+        launch.redactor = Redactor(launch.config.secret_values())
+        launch.child, launch.exited_at = adoptee.server, adoptee.exited_at
+        launch.started_at, launch.ready_at = _time(r.get("started_at")), _time(r.get("ready_at"))
+        # Its monotonic times, as far back from now as its wall times are.
+        launch.started_mono = mono - max(0.0, now - (launch.started_at or now))
+        if launch.ready_at is not None:
+            launch.ready_mono = mono - max(0.0, now - launch.ready_at)
+        self.ledger.reset_figures()
+        self.event(
+            "adopted",
+            pid=adoptee.server.pid,
+            config_changed=adoptee.config_changed or None,
+            exited_away=adoptee.exited_at is not None or None,
+            detail="the server of the daemon's previous life, verified, is supervised as it runs"
+            + (
+                " (its config changed since it was launched: restart to apply)"
+                if adoptee.config_changed
+                else ""
+            ),
+        )
+
+    def adopted(self, launch: Launch, log: ServerLog) -> None:
+        """Its log is taken up: the shim writes it, its lines come from now on."""
+        launch.log = log
+
+    def watch_adopted(self, launch: Launch) -> None:
+        """Starting when its previous life ended: the startup timer (what is left of it) and the
+        readiness probe."""
+        timeout = launch.config.config.health.startup_timeout_s
+        took = self.clock.monotonic() - (launch.started_mono or self.clock.monotonic())
+        self.host.timer(max(timeout - took, 1.0), StartupTimedOut(launch.gen), launch)
+        self.host.probe(launch, readiness=True)
 
     def launched(self, launch: Launch) -> None:
         assert launch.child is not None and launch.log is not None

@@ -178,6 +178,7 @@ def _build_dump(
         "events": events,
         "last_good_config": st["last_good_config"],
         "config_diff": diff,
+        "unmanaged": st.get("unmanaged") or [],
     }
     text = render_text(data)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
@@ -219,6 +220,8 @@ def render_text(d: dict[str, Any], tail_lines: int = TAIL_LINES, max_line: int =
     lines.append("")
     lines.append("GPUs:")
     lines.append(render_gpu_table(d["gpus"]) if d["gpus"] else "(no GPU information)")
+    for u in d.get("unmanaged") or []:  # found at the boot, not verifiably ours: left alone
+        lines.append(f"unmanaged: pid {u.get('pid')} ({u.get('name') or '?'}): {u.get('why')}")
     if d["config_diff"]:
         lines.append("")
         lines.append(f"config changes against the last good config ({d['last_good_config']}):")

@@ -195,6 +195,9 @@ class Host:
     def spawn(self, launch: Launch) -> None:
         self.launching.spawn(launch)
 
+    def adopt(self, launch: Launch) -> None:
+        self.launching.adopt(launch)
+
     def abandon(self, server: ServerHandle, log: ServerLog) -> None:
         self.launching.abandon(server, log)
 
@@ -229,6 +232,13 @@ class Host:
 
     async def _stop_previous(self, previous: PreviousServer) -> None:
         killed = await boot.stop_previous(previous, self.settings.stop.grace_s)
+        shim = self._shim()
+        if shim is not None:  # one the shim ran: its record there is done with too
+            held = shim.servers.get(previous.launch_id)
+            if held is not None:
+                held.release(boot.STOPPED_AT_BOOT)
+            else:
+                shim.tell("release", launch_id=previous.launch_id, trailer=boot.STOPPED_AT_BOOT)
         self.post(PreviousServerStopped(previous, killed))
 
     def boot_start(self, config: str, rollback: str | None) -> None:

@@ -18,7 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from .clock import Clock
 from .launchlog import LaunchLog, LogUnwritable, header_bytes
+from .logfiles import read_tail
+from .logring import RING_LINES
 from .messages import (
+    Adopted,
     LineParsed,
     Message,
     ServerExited,
@@ -182,6 +185,31 @@ class Launching:
                 child.close()
             for msg in self._early.pop(gen, []):
                 self.post(msg)
+
+    def adopt(self, launch: Launch) -> None:
+        """A previous life's server, taken over (`boot.py` attached to it): its log's tail in
+        the ring, its lines from now on, then its exit (now, if it ended while away)."""
+        self._early[launch.gen] = []
+        task = self.tasks.task(self._adopt(launch), gen=launch.gen)
+        task.add_done_callback(lambda t: self._early.pop(launch.gen, None))
+
+    async def _adopt(self, launch: Launch) -> None:
+        child = launch.child
+        assert isinstance(child, ShimServer)
+        log = LaunchLog(
+            child.log_path,
+            [],
+            on_lines=lambda lines, parsed: self._on_lines(launch, lines, parsed),
+            redact=launch.redactor.text,
+            file=ShimFile(child),
+        )
+        tail = await asyncio.to_thread(read_tail, child.log_path, RING_LINES)
+        log.ring.extend(tail, self.clock.time())
+        await child.read_output(log.feed)
+        self.post(Adopted(launch.gen, log))
+        for msg in self._early.pop(launch.gen, []):
+            self.post(msg)
+        child.on_exit(lambda returncode: self.post(ServerExited(launch.gen, returncode)))
 
     def _on_lines(
         self, launch: Launch, lines: list[str], parsed: list[tuple[str, ParsedLine]]

@@ -49,6 +49,9 @@ class Ledger:
         self.write_errors: dict[str, str] = {}
         self.write_failures: dict[str, int] = {}
         self.internal_errors = 0
+        # Processes found at the boot that are not verifiably ours ({pid, name, why}): listed
+        # in /status and the dump, never signalled.
+        self.unmanaged: list[dict[str, Any]] = []
         # The install's key for the digests of each launch's secrets kept in its record
         # (`store.secret_salt`, set by the supervisor at start; None: none are kept).
         self.secret_salt: bytes | None = None
@@ -82,6 +85,11 @@ class Ledger:
         """The records of the daemon's previous life, read back at its boot."""
         self.history, self.last_exit, self.known_ours = history, last_exit, dict(known_ours)
 
+    def note_unmanaged(self, found: tuple[dict[str, Any], ...]) -> None:
+        self.unmanaged = [dict(item) for item in found]
+        for item in found:
+            self.event("unmanaged_process", **item, detail="not verifiably ours: left running")
+
     def launch_started(self, launch: Launch, pid: int, log_file: str) -> None:
         """Every launch is on record from its start; its exit fills in. Its secrets are kept
         by keyed digest, never in clear: its log stays masked after the config's secrets
@@ -109,6 +117,7 @@ class Ledger:
         code: int | None = None,
         sig: int | None = None,
         launch_id: str | None = None,
+        at: float | None = None,
     ) -> dict[str, Any]:
         """The shape of `last_exit` and of each history entry's `exit`, wherever one is made."""
         return {
@@ -116,7 +125,7 @@ class Ledger:
             "signal": sig,
             "reason": reason,
             "evidence": evidence,
-            "at": utc_iso(self.clock.time()),
+            "at": utc_iso(self.clock.time() if at is None else at),
             "launch_id": launch_id,
         }
 
@@ -129,7 +138,7 @@ class Ledger:
         evidence = launch.redactor.text(verdict.evidence)
         lid = launch.launch_id or None
         self.last_exit = self.exit_record(
-            verdict.reason, evidence, code=code, sig=sig, launch_id=lid
+            verdict.reason, evidence, code=code, sig=sig, launch_id=lid, at=launch.exited_at
         )
         self.event("exit", **{k: v for k, v in self.last_exit.items() if k != "at"})
         if launch.launch_id:
@@ -148,12 +157,15 @@ class Ledger:
     def count_exit(self, reason: str) -> None:
         self.exits_by_reason[reason] = self.exits_by_reason.get(reason, 0) + 1
 
-    def close_unobserved(self, stopped_id: str) -> bool:
+    def close_unobserved(self, stopped_id: str, adopted_id: str = "") -> bool:
         """Every launch ends with an exit record. Those the previous life did not see end get
-        one now: the one this boot stopped, and the others, which ended while it was away."""
+        one now: the one this boot stopped, and the others, which ended while it was away (but
+        the one adopted: its end is yet to come, or known exactly)."""
         closed = False
         for entry in self.history.unfinished():
             launch_id = entry.get("launch_id")
+            if launch_id and launch_id == adopted_id:
+                continue
             if launch_id and launch_id == stopped_id:
                 reason = "requested_stop"
                 evidence = "stopped at the daemon's start: its previous life left it running"

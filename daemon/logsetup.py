@@ -84,6 +84,7 @@ def record_level(record: dict[str, Any]) -> int:
         "events_gap",
         "config_unreadable",
         "shim_unavailable",
+        "unmanaged_process",
     ):
         return logging.WARNING
     return logging.INFO

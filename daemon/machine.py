@@ -28,7 +28,7 @@ from .effects import Effects
 from .errors import CommandError
 from .evidence import Dead, Evidence, NotLive, Ready, Signal
 from .ledger import Ledger
-from .model import Intent, Launch, Next, utc_iso, utc_stamp
+from .model import Adoptee, Intent, Launch, Next, utc_iso, utc_stamp
 from .policy import Classification, Retries
 from .states import LIVE_STATES, RUNNING_STATES, SERVING_STATES, ServerState, check_transition
 from .swaps import Swaps
@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from .clock import Clock
     from .resolvedconfig import ResolvedConfig
     from .settings import Settings
+
+
+LEFT_RUNNING = "live_restore: the server runs on under the shim; the daemon's next start adopts it"
 
 
 class Machine:
@@ -76,6 +79,8 @@ class Machine:
                 self.on_gpu_wait_ended(msg)
             case ms.Spawned():
                 self.on_spawned(msg)
+            case ms.Adopted():
+                self.on_adopted(msg)
             case ms.SpawnFailed():
                 self.on_spawn_failed(msg)
             # What the running launch signals: noted by the ledger, judged by its evidence.
@@ -242,6 +247,13 @@ class Machine:
         if self.booting.shutdown_waits():  # the daemon ends once the previous server is stopped
             return
         launch = self.launch
+        child = launch.child if launch is not None and launch.running else None
+        if child is not None and child.survives_daemon and self.state in LIVE_STATES:
+            # Live restore: it runs on under the shim, and the next life adopts it.
+            self.event("server_left_running", pid=child.pid, detail=LEFT_RUNNING)
+            self.finished = True
+            self.persist()
+            return
         if launch is not None and (self.state in RUNNING_STATES or launch.spawning):
             self.begin_stop(launch, Next.SHUTDOWN)
             return
@@ -338,17 +350,55 @@ class Machine:
             self.swaps.resume(plan.swap, plan.swap_phase)
             rollback = plan.swap.rollback_name or self.intent.last_good_config
         self.persist()  # the previous life's record, brought up to date, is saved now
+        self.ledger.note_unmanaged(msg.unmanaged)
+        adoptee, prev = msg.adoptee, msg.previous
+        if adoptee is not None and adoptee.config.name == plan.config:
+            adopted = self._adopt(adoptee)  # it serves what is asked: supervised as it runs
+            self.booting.begin(None, None, None)
+            self._boot_go_on("", adopted)
+            return
+        if adoptee is not None:  # not what is asked to run (any more): stopped, as ever
+            prev = adoptee.previous()
         # The previous server's record, kept in state.json until it is stopped.
-        previous = msg.record.get("current_launch") if msg.previous is not None else None
-        if self.booting.begin(plan.config, rollback, msg.previous, previous):
+        previous = msg.record.get("current_launch") if prev is not None else None
+        if self.booting.begin(plan.config, rollback, prev, previous):
             self._boot_go_on("")  # nothing of that life runs
 
-    def _boot_go_on(self, stopped_id: str) -> None:
+    def _adopt(self, adoptee: Adoptee) -> str:
+        """The previous life's server, verified under the shim, taken over in the state it was
+        in (no signal sent to it): ready stays ready, starting goes on starting. A swap under
+        way for it goes on. Its log, probes and timers follow with `Adopted`."""
+        self.gen += 1
+        swap = self.swaps.active()
+        rollback = swap is not None and self.swaps.resumed_read(
+            adoptee.rollback, self.intent.last_good_config
+        )
+        self.launch = launch = Launch(self.gen, adoptee.config, swap=swap, rollback=rollback)
+        self.attempts.adopt(launch, adoptee)
+        if swap is not None:
+            self.swaps.spawned(swap, launch.launch_id)
+        state = ServerState.STARTING if launch.ready_at is None else ServerState.READY
+        # STOPPED -> STARTING|READY
+        self.transition(state, reason="adopted", pid=adoptee.server.pid)
+        self.host.adopt(launch)
+        return launch.launch_id
+
+    def on_adopted(self, msg: ms.Adopted) -> None:
+        launch = self.current(msg.gen)
+        if launch is None:
+            return
+        self.attempts.adopted(launch, msg.log)
+        if self.state == ServerState.READY:
+            self._ready_settles(launch)
+        elif self.state == ServerState.STARTING:
+            self.attempts.watch_adopted(launch)
+
+    def _boot_go_on(self, stopped_id: str, adopted_id: str = "") -> None:
         """Nothing of the previous life runs any more: its launches get their exit records,
         and the boot goes on to its start (or the daemon ends: a shutdown asked meanwhile)."""
         if not self.booting.active:
             return
-        self.ledger.close_unobserved(stopped_id)
+        self.ledger.close_unobserved(stopped_id, adopted_id)
         if self.booting.go_on():
             self.finished = True
         self.persist()
@@ -433,9 +483,13 @@ class Machine:
         took = self.attempts.ready(launch)
         # STARTING -> READY
         self.transition(ServerState.READY, via=how, time_to_ready_s=round(took, 3))
+        self._ready_settles(launch)
+
+    def _ready_settles(self, launch: Launch) -> None:
+        """Ready (or adopted ready): its swap settles, and its probation begins (a swapped-in
+        config becomes last-good only once it has stayed up); then it is watched as ready."""
         probation = self.settings.restart.probation_s
         if self.swaps.ready(launch, self.intent.config, probation):
-            # A swapped-in config becomes last-good only once it has stayed up.
             launch.on_probation = True
             self.host.timer(probation, ms.ProbationOver(launch.gen), launch)
         else:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .effects import ServerHandle, ServerLog
     from .gpustate import GpuSnapshot
     from .listener import ListenerCheck
-    from .model import PreviousServer
+    from .model import Adoptee, PreviousServer
     from .preflight import PreflightResult
     from .resolvedconfig import ResolvedConfig
 
@@ -71,6 +71,11 @@ class BootBegan:
     # The install's key for the digests of each launch's secrets kept in its record (None:
     # none are kept).
     secret_salt: bytes | None = None
+    # With live_restore: that life's server, verified under the shim, to be taken over as it
+    # runs (or as it ended while the daemon was away); and what was found that is not
+    # verifiably ours ({pid, name, why}): listed, never signalled.
+    adoptee: Adoptee | None = None
+    unmanaged: tuple[dict[str, Any], ...] = ()
 
 
 # -- internal events ------------------------------------------------------------------------------
@@ -82,6 +87,14 @@ class Spawned:
 
     gen: int
     server: ServerHandle
+    log: ServerLog
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """An adopted server's log is taken up (the shim writes it; its lines come from now on)."""
+
+    gen: int
     log: ServerLog
 
 
@@ -266,6 +279,7 @@ Message = (
     | BootBegan
     | PreviousServerStopped
     | Spawned
+    | Adopted
     | SpawnFailed
     | GpuWaitEnded
     | ServerExited

@@ -76,6 +76,32 @@ class PreviousServer:
     alive: bool
 
 
+@dataclass(frozen=True)
+class Adoptee:
+    """The server the previous life recorded as running, verified as that very server (pid,
+    create time, boot, argv, token) under the shim, which this life takes over as it is
+    (live restore). `returncode` and `exited_at`: the shim's record of an exit while the
+    daemon was away (None: it runs)."""
+
+    record: dict[str, Any]  # state.json's `current_launch`
+    server: ServerHandle
+    config: ResolvedConfig  # its config as it reads now (`config_changed`: not as launched)
+    exited_at: float | None = None
+    returncode: int | None = None
+    rollback: ResolvedConfig | None = None  # what a swap resumed with it rolls back to
+
+    @property
+    def config_changed(self) -> bool:
+        return self.config.config_hash != self.record.get("config_hash")
+
+    def previous(self) -> PreviousServer:
+        """As a server of the previous life to stop (it is not what is asked to run)."""
+        r, pid = self.record, self.server.pid
+        alive = self.exited_at is None
+        token = str(r.get("token"))
+        return PreviousServer(pid, pid, self.server.create_time, str(r["launch_id"]), token, alive)
+
+
 @dataclass(eq=False)
 class Launch:
     """One launch attempt, from the GPU wait to the sweep after its exit. `gen` tags every
@@ -96,6 +122,7 @@ class Launch:
     ready_mono: float | None = None
     exited: bool = False
     returncode: int | None = None
+    exited_at: float | None = None  # when known better than its handling (adopted, exited away)
     next: Next | None = None
     next_config: ResolvedConfig | None = None
     imposed: Classification | None = None

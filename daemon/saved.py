@@ -7,6 +7,8 @@ Pure: the file itself is read and written by `store.py`, on the host's writer th
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -16,6 +18,14 @@ from .model import Intent, Swap
 from .states import SwapPhase
 
 KNOWN_KEPT = 500  # processes of ours remembered (pid, create time) across lives
+# state.json's shape. 1: no `schema` key (read as it is); 2: `schema`, and the running
+# launch's `argv_digest` and `shim` (what adoption verifies a server by).
+SCHEMA = 2
+
+
+def argv_digest(argv: list[str]) -> str:
+    """A launch's argv as its record keeps it for adoption: a digest (it may hold secrets)."""
+    return hashlib.sha256(json.dumps(argv).encode()).hexdigest()
 
 
 def record(m: Any, boot_id: str) -> dict[str, Any]:
@@ -38,6 +48,8 @@ def record(m: Any, boot_id: str) -> dict[str, Any]:
             "log_file": str(launch.log.path) if launch.log is not None else None,
             "config_hash": launch.config.config_hash,
             "argv": launch.config.redacted_argv(),
+            "argv_digest": argv_digest(launch.config.argv),
+            "shim": launch.child.survives_daemon,
             "port": launch.config.port,
             "health_url": launch.config.shown_health_url,
             "rank_gpus": (
@@ -50,6 +62,7 @@ def record(m: Any, boot_id: str) -> dict[str, Any]:
     if current is None and m.booting.stopping_record is not None:
         current = m.booting.stopping_record  # the previous life's, until it is stopped
     return {
+        "schema": SCHEMA,
         "intent": {"config": m.intent.config, "running": m.intent.running},
         "last_good_config": m.intent.last_good_config,
         "last_good_launch": m.intent.last_good_launch,

@@ -20,8 +20,11 @@ class ServerState(StrEnum):
 # (`Machine._transition`), which refuses anything not listed here. A running server never goes
 # straight to backoff or failed: its exit is swept in stopping first.
 TRANSITIONS: dict[ServerState, frozenset[ServerState]] = {
-    # start requested; or its preflight failed
-    ServerState.STOPPED: frozenset({ServerState.WAITING_GPU, ServerState.FAILED}),
+    # start requested; or its preflight failed; at the boot, the previous life's server adopted
+    # in the state it was in (live restore)
+    ServerState.STOPPED: frozenset(
+        {ServerState.WAITING_GPU, ServerState.FAILED, ServerState.STARTING, ServerState.READY}
+    ),
     # GPUs free and the server executed -> starting; stop -> stopped; gpu_busy or the exec
     # failed -> backoff/failed; a stop or swap while the exec is under way -> stopping (the new
     # process is stopped as soon as it exists)

@@ -111,7 +111,9 @@ class Supervisor:
         self._owner = asyncio.current_task()
         self.host.poll_gpus()
         await self.host.start_shim()  # with live_restore: before the previous life is read
-        began = await boot.survey(self.store, self._boot_id, self.settings.state_dir)
+        began = await boot.survey(
+            self.store, self._boot_id, self.settings.state_dir, self.host.shim, self.configs
+        )
         with contextlib.suppress(TypeError, ValueError):  # events.jsonl may be gone: go on
             self.events.seq = max(self.events.seq, int(began.record.get("events_seq") or 0))
         # The first message, before any command: those asked meanwhile wait in the inbox.

@@ -75,6 +75,7 @@ class Snapshot:
     write_errors: Mapping[str, str]
     write_failures: Mapping[str, int]
     internal_errors: int
+    unmanaged: tuple[Mapping[str, Any], ...] = ()  # found at the boot, not ours: never signalled
 
 
 def take(m: Machine) -> Snapshot:
@@ -131,6 +132,7 @@ def take(m: Machine) -> Snapshot:
         write_errors=MappingProxyType(dict(m.ledger.write_errors)),
         write_failures=MappingProxyType(dict(m.ledger.write_failures)),
         internal_errors=m.ledger.internal_errors,
+        unmanaged=tuple(MappingProxyType(dict(u)) for u in m.ledger.unmanaged),
     )
 
 
@@ -188,6 +190,7 @@ def status_fixed(snap: Snapshot, *, gpu_backend: str) -> dict[str, Any]:
         "server_metrics": None,
         "write_errors": dict(snap.write_errors),
         "internal_errors": snap.internal_errors,
+        "unmanaged": [dict(u) for u in snap.unmanaged],
         "supervising": None,
     }
 

@@ -155,3 +155,28 @@ def test_a_state_file_of_another_shape_boots_as_a_first_start(
     assert "does not read as a record" in note["detail"]
     d.wait_state("ready")
     assert d.status()["booting"] is False
+
+
+def test_a_state_file_of_the_previous_schema_is_read(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """`tests/fixtures/state-v1.json` was written by the daemon before state.json had a schema
+    (config `k` serving, on another boot): it is read as it is, and saved at the new schema."""
+    fixture = Path(__file__).with_name("fixtures") / "state-v1.json"
+    old = json.loads(fixture.read_text())
+    assert "schema" not in old and old["current_launch"]["launch_id"]
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "state.json").write_text(fixture.read_text())
+    d = start_daemon(procs, tmp_path, fake_gpu, {"k": standin_config()})
+    d.wait_state("ready")  # its intent: k running
+    st = d.status()
+    assert st["config"] == "k" and st["launch_id"].endswith("-000002")  # its launch_seq
+    # Its launch, on another boot, ended while the daemon was away.
+    d.wait_event("server.exit", reason="ended_unobserved", launch_id=old["last_good_launch"])
+
+    def saved() -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((tmp_path / "state" / "state.json").read_text())
+        return data
+
+    wait_until(lambda: saved().get("schema") == 2, 10, "state.json saved at schema 2")
+    assert saved()["current_launch"]["argv_digest"]

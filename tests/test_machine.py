@@ -115,6 +115,14 @@ def _every_edge(root: Path) -> set[tuple[ServerState, ServerState]]:
     w.stop()
     seen |= w.edges()
 
+    w = world("adopted")  # STOPPED -> READY: the previous life's server, adopted as it serves
+    w.adopt(ready=True)
+    seen |= w.edges()
+
+    w = world("adopted-starting")  # STOPPED -> STARTING: adopted while it still starts
+    w.adopt(ready=False)
+    seen |= w.edges()
+
     w = world("spawning")  # WAITING_GPU -> STOPPING: a stop while the server is executed
     w.start()
     w.gpus_free()

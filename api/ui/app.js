@@ -14,7 +14,8 @@ const TIMELINE_KINDS = new Set([
   "launch", "exit", "swap", "restart", "swap_settled", "rollback", "crash_loop",
   "probation_passed", "preflight_refused", "death_announced", "gpu_orphans_killed",
   "sweep_started", "sweep_finished", "sweep_restored", "state_file_corrupt", "internal_error",
-  "swap_resumed", "sweep_restore_failed", "sweep_interrupted",
+  "swap_resumed", "sweep_restore_failed", "sweep_interrupted", "adopted", "server_left_running",
+  "unmanaged_process", "shim_lost",
 ]);
 
 let token = sessionStorage.getItem(TOKEN_KEY);
@@ -235,6 +236,9 @@ function renderStatus(st) {
     notes.push("Write failures: " + Object.entries(st.write_errors).map(([k, v]) => `${k}: ${v}`).join("; "));
   }
   if (st.gpu_error) notes.push(`GPU read error: ${st.gpu_error}`);
+  for (const u of st.unmanaged || []) {
+    notes.push(`Unmanaged: pid ${u.pid} (${u.name || "?"}), not verifiably ours, left running: ${u.why}`);
+  }
   banner(notes.join(" · "), true);
 
   renderExit(st.last_exit);
@@ -318,6 +322,9 @@ function describe(e) {
   const arrow = (a, b) => `${a || "-"} → ${b || "-"}`;
   switch (e.event) {
     case "launch": return [`${e.config || ""} pid ${e.pid}`, "ok"];
+    case "adopted": return [`${e.config || ""} pid ${e.pid}, taken over as it runs`, "ok"];
+    case "unmanaged_process": return [`pid ${e.pid}: ${e.why}`, "warn"];
+    case "shim_lost": return [e.error || "", "bad"];
     case "exit": {
       const how = e.signal != null ? `signal ${e.signal}` : e.code != null ? `code ${e.code}` : "";
       return [`${e.reason}${how ? " (" + how + ")" : ""}${e.evidence ? ": " + e.evidence : ""}`,

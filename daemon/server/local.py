@@ -137,6 +137,7 @@ class LocalServer:
     launch_id: str
     protocol: _Protocol
     signals_sent: list[str] = field(default_factory=list)
+    survives_daemon = False  # the daemon's child: it ends with it (stop_previous at the next)
 
     @property
     def exited(self) -> asyncio.Future[int | None]:

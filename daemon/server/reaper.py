@@ -169,6 +169,13 @@ def create_time_of(pid: int) -> float | None:
         return None
 
 
+def name_of(pid: int) -> str | None:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return None
+
+
 # -- finding and killing what a launch left behind ------------------------------------------------
 
 

@@ -171,6 +171,8 @@ class ShimClient(asyncio.Protocol):
 class ShimServer:
     """A server the shim runs: an `effects.ServerHandle`."""
 
+    survives_daemon = True  # the shim's child: a later life of the daemon adopts it
+
     def __init__(self, client: ShimClient, launch_id: str, log: Path) -> None:
         loop = asyncio.get_running_loop()
         self.client, self.launch_id, self.log_path = client, launch_id, log

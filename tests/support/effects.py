@@ -53,6 +53,9 @@ class RecordingEffects:
     def spawn(self, launch: Launch) -> None:
         self._note("spawn", launch)
 
+    def adopt(self, launch: Launch) -> None:
+        self._note("adopt", launch)
+
     def abandon(self, server: ServerHandle, log: ServerLog) -> None:
         self._note("abandon", server, log)
 

@@ -13,6 +13,8 @@ from gpuwarden.daemon.configs import ConfigStore
 from gpuwarden.daemon.listener import ListenerCheck
 from gpuwarden.daemon.machine import Machine
 from gpuwarden.daemon.messages import (
+    Adopted,
+    BootBegan,
     GpuWaitEnded,
     ListenerChecked,
     Message,
@@ -25,7 +27,7 @@ from gpuwarden.daemon.messages import (
     StopRequested,
     SweepFinished,
 )
-from gpuwarden.daemon.model import Launch, Swap
+from gpuwarden.daemon.model import Adoptee, Launch, Swap
 from gpuwarden.daemon.preflight import PreflightResult
 from gpuwarden.daemon.resolvedconfig import ResolvedConfig
 from gpuwarden.daemon.states import ServerState, SwapPhase
@@ -44,6 +46,7 @@ class FakeChild:
     pid: int
     pgid: int = 0
     create_time: float = 0.0
+    survives_daemon: bool = False
 
 
 @dataclass
@@ -122,6 +125,43 @@ class World:
     def spawned(self) -> None:
         self.pids += 1
         self.send(Spawned(self.launch.gen, FakeChild(self.pids), FakeLog(self.root / "x.log")))
+
+    def adopt(
+        self,
+        name: str = "a",
+        *,
+        ready: bool = True,
+        exited: int | None = None,
+        record: dict[str, Any] | None = None,
+    ) -> Adoptee:
+        """The boot finds the previous life's launch L3 of `name` under the shim, verified
+        (ready or still starting; `exited`: it ended with that code while the daemon was away),
+        and its log is taken up."""
+        self.pids += 1
+        current = {
+            "launch_id": "L3",
+            "token": "tok",
+            "config": name,
+            "pid": self.pids,
+            "config_hash": self.cfg(name).config_hash,
+            "started_at": self.clock.time() - 100,
+            "ready_at": self.clock.time() - 40 if ready else None,
+        }
+        saved = {
+            "intent": {"config": name, "running": True},
+            "last_good_config": name,
+            "launch_seq": 3,
+            "launches": [{"launch_id": "L3", "config": name, "exit": None}],
+            "current_launch": current,
+            **(record or {}),
+        }
+        away = None if exited is None else self.clock.time() - 5
+        child = FakeChild(self.pids, self.pids, 1.5, survives_daemon=True)
+        adoptee = Adoptee(current, child, self.cfg(name), away, exited)
+        self.send(BootBegan(saved, None, None, adoptee=adoptee))
+        if self.m.launch is not None and self.m.launch.child is child:
+            self.send(Adopted(self.launch.gen, FakeLog(self.root / "L3.log")))
+        return adoptee
 
     def ready(self) -> None:
         self.send(ProbeSucceeded(self.launch.gen, "200 /health"))

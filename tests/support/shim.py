@@ -10,6 +10,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
+
 from gpuwarden.daemon.server import shim as shim_module
 
 
@@ -33,6 +35,24 @@ def running_shim(folder: Path) -> Iterator[subprocess.Popen[bytes]]:
         proc.kill()
         proc.wait()
         proc.stdout.close()
+
+
+@contextlib.contextmanager
+def shims_ended(state_dir: Path) -> Iterator[None]:
+    """At the end, the shim of `state_dir` (started by a daemon, outliving it) is killed with
+    every process group its servers lead, whatever the test left."""
+    try:
+        yield
+    finally:
+        folder = str(state_dir / "shim")
+        for proc in psutil.process_iter(["cmdline"]):
+            cmd = proc.info["cmdline"] or []
+            if shim_module.__file__ in cmd and folder in cmd:
+                for pid in _children(proc.pid):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
 
 
 def _children(pid: int) -> list[int]:
