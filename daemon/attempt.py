@@ -191,12 +191,15 @@ class Attempts:
         self.host.end_tasks(launch)
         self.host.kill_group(launch)
 
-    def exited(self, launch: Launch, returncode: int | None) -> bool:
-        """The server exited (False: its exit was handled already). The sweep after it comes
-        once the machine has said so."""
+    def exited(self, launch: Launch, returncode: int | None, unknown: str | None = None) -> bool:
+        """The server exited (False: its exit was handled already), or what ran it was lost
+        (`unknown`: the sweep then ends whatever of it runs on, and that is its end's reason
+        unless it was being stopped already). The sweep comes once the machine has said so."""
         if launch.exited:
             return False
         launch.exited, launch.returncode = True, returncode
+        if unknown is not None and launch.next is None and launch.imposed is None:
+            launch.imposed = Classification("internal_error", unknown)
         self.host.end_tasks(launch)
         return True
 

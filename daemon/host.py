@@ -36,6 +36,10 @@ from .store import EventLog, StateStore
 from .tasks import Tasks
 
 SHIM_FALLBACK = "servers are started by the daemon itself: they do not outlive it"
+SHIM_LOST = (
+    "its servers' output and exits had no other way to the daemon: they are ended and started "
+    "again under a new shim, started now"
+)
 
 if TYPE_CHECKING:
     from .effects import ServerHandle, ServerLog
@@ -96,35 +100,49 @@ class Host:
         self.event_listeners = self.records.listeners
         self._settled: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.shim: ShimClient | None = None  # with live_restore: the servers' parent
-        self._shim_lost_said = False
+        self._restarting: asyncio.Task[None] | None = None  # a lost shim's successor, starting
+        self._closing = False
 
     async def start_shim(self) -> None:
         """With `live_restore`: the shim of the state directory, found or started, before the
         boot (a previous life's servers run under it). One that cannot be had is said, and
         servers are then started by the daemon itself (they do not outlive it)."""
-        if not self.settings.live_restore:
-            return
+        if self.settings.live_restore:
+            await self._connect_shim(again=False)
+
+    async def _connect_shim(self, again: bool) -> None:
         folder = self.settings.state_dir / "shim"
         try:
-            self.shim, started = await shimstart.connect_or_start(folder)
-        except (OSError, ConnectionError) as exc:
+            shim, started = await shimstart.connect_or_start(folder)
+        except Exception as exc:  # OSError, ConnectionError: said, and the daemon runs them
             self._event("shim_unavailable", error=str(exc), detail=SHIM_FALLBACK)
             return
-        self._event("shim_connected", pid=self.shim.shim_pid, started=started is not None)
+        self.shim = shim
+        shim.lost.add_done_callback(self._shim_lost)
+        started_now = started is not None
+        self._event("shim_connected", pid=shim.shim_pid, started=started_now, again=again or None)
 
-    def _shim(self) -> ShimClient | None:
-        shim = self.shim
-        if shim is None or not shim.lost.done():
+    def _shim_lost(self, lost: asyncio.Future[str]) -> None:
+        """The shim's connection ended (it was killed, or it failed): said, and a new one is
+        started at once. The servers it ran are ended by their exit sweeps (their output and
+        exit had no other way to the daemon) and relaunched under the new one."""
+        if self._closing:
+            return
+        self._event("shim_lost", error=lost.result(), detail=SHIM_LOST)
+        self.shim = None
+        self._restarting = self.tasks.task(self._connect_shim(again=True), name="shim")
+
+    def _shim(self) -> ShimClient | asyncio.Future[Any] | None:
+        shim, restarting = self.shim, self._restarting
+        if shim is not None and not shim.lost.done():
             return shim
-        if not self._shim_lost_said:
-            self._shim_lost_said = True
-            self._event("shim_lost", error=shim.lost.result(), detail=SHIM_FALLBACK)
-        return None
+        return restarting if restarting is not None and not restarting.done() else None
 
     def _event(self, kind: str, **fields: Any) -> None:
         self.post(EventNoted(kind, fields))
 
     async def close(self) -> None:
+        self._closing = True
         if self.shim is not None:
             self.shim.close()  # the shim and its servers run on: a later life takes them
         await self.records.close()
@@ -232,8 +250,8 @@ class Host:
 
     async def _stop_previous(self, previous: PreviousServer) -> None:
         killed = await boot.stop_previous(previous, self.settings.stop.grace_s)
-        shim = self._shim()
-        if shim is not None:  # one the shim ran: its record there is done with too
+        shim = self.shim
+        if shim is not None and not shim.lost.done():  # one the shim ran: done with there too
             held = shim.servers.get(previous.launch_id)
             if held is not None:
                 held.release(boot.STOPPED_AT_BOOT)

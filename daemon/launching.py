@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 DEATH_CONTEXT_S = 60.0
 FIRST_SLICE_S = 0.01
 SHIM_REFUSALS = ("exec_failed", "log_unwritable")  # the shim's words for a spawn it refused
+SHIM_RESTART_WAIT_S = 15.0  # a launch waits this long for a lost shim's successor
 
 
 class Launching:
@@ -58,12 +59,14 @@ class Launching:
         tasks: Tasks,
         post: Callable[[Message], None],
         after_exec: Callable[[], None],
-        shim: Callable[[], ShimClient | None] = lambda: None,
+        shim: Callable[[], ShimClient | asyncio.Future[Any] | None] = lambda: None,
     ) -> None:
         self.log_dir, self.log_max_bytes = log_dir, log_max_bytes
         self.clock, self.tasks, self.post = clock, tasks, post
         self.after_exec = after_exec  # once the server runs: what the relaunch held back
-        self.shim = shim  # with live_restore, the shim that runs the servers (None: we do)
+        # With live_restore, the shim that runs the servers (a future: it is being started
+        # again; None: we run them).
+        self.shim = shim
         self.line_listeners: set[Callable[[list[str]], None]] = set()  # raw: redact to serve
         self._early: dict[int, list[Message]] = {}  # lines read before the spawn was posted
         # The servers' base environment: the daemon's, as it started (the daemon never changes
@@ -71,10 +74,14 @@ class Launching:
         self.base_env = dict(os.environ)
 
     def spawn(self, launch: Launch) -> None:
+        shim = self.shim()
+        if isinstance(shim, asyncio.Future):  # the shim is being started again: the exec waits
+            self.tasks.task(self._spawn_when(launch, shim), gen=launch.gen, name="spawn")
+            return
         self._early[launch.gen] = []
         # The exec in this very turn (posix_spawn returns at it): the server does not wait for
         # a task's turn of the loop. Its log, its pipes and its first slice are the task's.
-        cfg, shim = launch.config, self.shim()
+        cfg = launch.config
         path = self.log_dir / cfg.name / f"{launch.launch_id}.log"
         header = [] if shim is None else self._header(launch)  # the shim writes it first
         try:
@@ -99,6 +106,12 @@ class Launching:
         header = header or self._header(launch)
         task = self.tasks.task(self._spawn(launch, path, header, child), gen=launch.gen)
         task.add_done_callback(lambda t: self._spawn_ended(t, launch.gen, child))
+
+    async def _spawn_when(self, launch: Launch, shim: asyncio.Future[Any]) -> None:
+        """The shim was lost and is being started again: the launch is executed once it is up
+        (or, if it cannot be had, by the daemon itself, as that was said)."""
+        await asyncio.wait([shim], timeout=SHIM_RESTART_WAIT_S)
+        self.spawn(launch)
 
     def _header(self, launch: Launch) -> list[str]:
         header = [f"gpuwarden launch {launch.launch_id} at {utc_iso(self.clock.time())}"]
@@ -177,7 +190,7 @@ class Launching:
             posted = True
             for msg in self._early.pop(gen, []):
                 self.post(msg)
-            child.on_exit(lambda returncode: self.post(ServerExited(gen, returncode)))
+            child.on_exit(lambda returncode: self.post(_exited(gen, child, returncode)))
             self.after_exec()
         finally:
             if not posted and not isinstance(child, Exception):
@@ -209,7 +222,7 @@ class Launching:
         self.post(Adopted(launch.gen, log))
         for msg in self._early.pop(launch.gen, []):
             self.post(msg)
-        child.on_exit(lambda returncode: self.post(ServerExited(launch.gen, returncode)))
+        child.on_exit(lambda returncode: self.post(_exited(launch.gen, child, returncode)))
 
     def _on_lines(
         self, launch: Launch, lines: list[str], parsed: list[tuple[str, ParsedLine]]
@@ -256,3 +269,8 @@ class Launching:
             launch.log.close(note)
         if launch.child is not None:
             launch.child.close()
+
+
+def _exited(gen: int, child: ServerHandle, returncode: int | None) -> ServerExited:
+    lost = child.lost_reason if isinstance(child, ShimServer) else None
+    return ServerExited(gen, returncode, lost)

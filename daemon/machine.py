@@ -520,7 +520,7 @@ class Machine:
 
     def on_server_exited(self, msg: ms.ServerExited) -> None:
         launch = self.current(msg.gen)
-        if launch is None or not self.attempts.exited(launch, msg.returncode):
+        if launch is None or not self.attempts.exited(launch, msg.returncode, msg.unknown):
             return
         if self.state != ServerState.STOPPING:
             # STARTING|READY|UNHEALTHY -> STOPPING

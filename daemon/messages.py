@@ -119,6 +119,7 @@ class GpuWaitEnded:
 class ServerExited:
     gen: int
     returncode: int | None
+    unknown: str | None = None  # why its exit cannot be known (the shim running it was lost)
 
 
 @dataclass(frozen=True)

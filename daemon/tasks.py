@@ -38,10 +38,12 @@ class Tasks:
         launch: Launch | None = None,
         gen: int = 0,
         deadline_s: float | None = None,
+        name: str | None = None,
     ) -> asyncio.Task[Any]:
-        """A helper task. Its failure is posted back (`TaskFailed`); one of a launch ends with
-        it; one with a deadline that runs past it makes supervision count as stuck."""
-        name = getattr(coro, "__qualname__", "task").rsplit(".", 1)[-1].lstrip("_")
+        """A helper task (named after its coroutine, unless `name` says). Its failure is posted
+        back (`TaskFailed`); one of a launch ends with it; one with a deadline that runs past
+        it makes supervision count as stuck."""
+        name = name or getattr(coro, "__qualname__", "task").rsplit(".", 1)[-1].lstrip("_")
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         gen = launch.gen if launch is not None else gen

@@ -8,6 +8,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +21,8 @@ import httpx
 import psutil
 import pytest
 
+from gpuwarden.daemon.server import shim as shim_module
+from gpuwarden.daemon.server import shimwire
 from gpuwarden.daemon.states import ServerState
 from gpuwarden.daemon.supervisor import Supervisor
 
@@ -39,20 +43,11 @@ def events(sup: Supervisor, kind: str) -> list[dict[str, Any]]:
 async def live(
     tmp_path: Path, fake_gpu: Path, configs: dict[str, Any]
 ) -> AsyncIterator[Supervisor]:
-    """A supervisor with `live_restore`; the shim it starts is ended after it."""
-    shim_pid = 0
-    try:
+    """A supervisor with `live_restore`; the shims it starts are ended after it."""
+    with shims_ended(tmp_path / "state"):
         async with running(tmp_path, fake_gpu, configs, settings={"live_restore": True}) as sup:
             await sup.wait_for(lambda s: bool(events(s, "shim_connected")), 20)
-            shim_pid = events(sup, "shim_connected")[0]["pid"]
             yield sup
-    finally:
-        if shim_pid:
-            with contextlib.suppress(psutil.Error):
-                for child in psutil.Process(shim_pid).children():
-                    os.killpg(child.pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(shim_pid, signal.SIGKILL)
 
 
 async def test_the_server_runs_under_the_shim_and_is_supervised_as_ever(
@@ -85,6 +80,34 @@ async def test_the_server_runs_under_the_shim_and_is_supervised_as_ever(
         assert not psutil.pid_exists(second) or psutil.Process(second).status() == "zombie"
 
 
+async def test_a_lost_shim_is_said_its_server_ended_and_relaunched_under_a_new_one(
+    tmp_path: Path, fake_gpu: Path
+) -> None:
+    """The shim SIGKILLed: its server's output and exit had no other way to the daemon, so the
+    server is ended (its group killed by the exit sweep, never left running unseen), the
+    exit says why, and the next launch runs under a shim started again at once."""
+    async with live(tmp_path, fake_gpu, {"k": standin_config()}) as sup:
+        shim_pid = events(sup, "shim_connected")[0]["pid"]
+        await sup.start("k")
+        await sup.wait_for_state(ServerState.READY, timeout=30)
+        assert sup.machine.launch is not None and sup.machine.launch.child is not None
+        first = sup.machine.launch.child.pid
+        os.kill(shim_pid, signal.SIGKILL)
+        await sup.wait_for(lambda s: bool(events(s, "exit")), 30)
+        lost, exit_ = events(sup, "shim_lost")[0], events(sup, "exit")[0]
+        assert "connection ended" in lost["error"]
+        assert exit_["reason"] == "internal_error" and "shim" in exit_["evidence"]
+        assert not alive(first)  # swept: nothing of it runs on unsupervised
+        await sup.wait_for(lambda s: len(events(s, "shim_connected")) == 2, 30)
+        again = events(sup, "shim_connected")[1]
+        assert again["again"] is True and again["pid"] != shim_pid
+        await sup.wait_for(lambda s: len(events(s, "launch")) >= 2, 30)
+        await sup.wait_for_state(ServerState.READY, timeout=30)
+        assert sup.machine.launch is not None and sup.machine.launch.child is not None
+        second = sup.machine.launch.child.pid
+        assert psutil.Process(second).ppid() == again["pid"]
+
+
 # -- adoption: a later life of the daemon takes the server over --------------------------------
 
 
@@ -114,6 +137,12 @@ class Client(threading.Thread):
         return self.ok, self.failed
 
 
+def saved_ready(root: Path) -> bool:
+    """state.json has the running launch as ready (written a moment after it became ready)."""
+    data = json.loads((root / "state" / "state.json").read_text())
+    return bool((data.get("current_launch") or {}).get("ready_at"))
+
+
 def live_daemon(procs: list[Proc], root: Path, fake_gpu: Path, cfg: dict[str, Any]) -> Daemon:
     return start_daemon(procs, root, fake_gpu, {"k": cfg}, default="k", live_restore=True)
 
@@ -123,7 +152,7 @@ def test_a_daemon_killed_while_ready_is_adopted_same_pid_and_no_request_fails(
 ) -> None:
     port = free_port()
     cfg = standin_config(port=port)
-    with shims_ended(tmp_path / "state"):
+    with shims_ended(tmp_path / "state", procs):
         first = live_daemon(procs, tmp_path, fake_gpu, cfg)
         first.wait_state("ready", timeout=60)
         pid = first.status()["pid"]
@@ -161,7 +190,7 @@ def test_a_server_that_exits_while_the_daemon_is_down_has_its_code_on_record(
         "args": {"port": free_port(), "exit-on-usr1": 3},
         "health": {"startup_timeout_s": 30, "interval_s": 0.2, "timeout_s": 2, "failures": 3},
     }
-    with shims_ended(tmp_path / "state"):
+    with shims_ended(tmp_path / "state", procs):
         first = live_daemon(procs, tmp_path, fake_gpu, cfg)
         first.wait_state("ready", timeout=60)
         status = first.status()
@@ -210,7 +239,7 @@ def test_a_pid_reused_by_another_process_is_unmanaged_and_never_killed(
     }
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "state.json").write_text(json.dumps(record))
-    with shims_ended(tmp_path / "state"):
+    with shims_ended(tmp_path / "state", procs):
         d = live_daemon(procs, tmp_path, fake_gpu, standin_config())
         found = d.wait_event("server.unmanaged_process", timeout=20)
         assert found["pid"] == other.pid and "pid reused" in found["why"]
@@ -228,7 +257,7 @@ def test_a_server_the_shim_runs_that_state_json_does_not_name_is_unmanaged(
     """The daemon is killed and its state.json lost: the next life finds the shim running a
     server it cannot verify as its own, lists it and leaves it running."""
     cfg = standin_config()
-    with shims_ended(tmp_path / "state"):
+    with shims_ended(tmp_path / "state", procs):
         first = live_daemon(procs, tmp_path, fake_gpu, cfg)
         first.wait_state("ready", timeout=60)
         pid = first.status()["pid"]
@@ -241,3 +270,153 @@ def test_a_server_the_shim_runs_that_state_json_does_not_name_is_unmanaged(
         assert found["pid"] == pid and "does not name" in found["why"]
         assert [u["pid"] for u in second.status()["unmanaged"]] == [pid]
         assert psutil.Process(pid).is_running()
+
+
+@pytest.mark.timeout(240)
+def test_twenty_daemon_restarts_in_a_row_under_load_restart_the_server_zero_times(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """Ten SIGKILLs and ten SIGTERMs (as `systemctl restart` sends) of the daemon while a
+    client keeps asking the server: every life adopts the same process, none launches one,
+    and no request fails."""
+    port = free_port()
+    cfg = standin_config(port=port)
+    with shims_ended(tmp_path / "state", procs):
+        d = live_daemon(procs, tmp_path, fake_gpu, cfg)
+        d.wait_state("ready", timeout=60)
+        pid = d.status()["pid"]
+        wait_until(lambda: saved_ready(tmp_path), 10, "the ready launch on record")
+        client = Client(port)
+        client.start()
+        for i in range(20):
+            d.proc.signal(signal.SIGKILL if i % 2 == 0 else signal.SIGTERM)
+            d.proc.popen.wait(30)
+            d = live_daemon(procs, tmp_path, fake_gpu, cfg)
+            assert d.wait_event("server.adopted", timeout=20)["pid"] == pid
+            assert d.wait_event("server.state", reason="adopted")["to"] == "ready"
+            launched = [r for r in d.records() if r.get("event") == "server.launch"]
+            assert launched == [], f"life {i + 2} launched a server"
+        ok, failed = client.end()
+        assert failed == [] and ok > 0
+        status = d.status()
+        assert (status["state"], status["pid"], status["restarts"]) == ("ready", pid, 0)
+
+
+def flood_config(lines: int) -> dict[str, Any]:
+    script = str(Path(__file__).with_name("foreign_http.py"))
+    return {
+        "command": [PY, script],
+        "args": {"port": free_port(), "flood-on-usr2": lines},
+        "health": {"startup_timeout_s": 30, "interval_s": 0.2, "timeout_s": 2, "failures": 3},
+    }
+
+
+def flooded(log: Path, lines: int) -> None:
+    """Every line of the flood is in `log`, whole and in order."""
+    text = log.read_text()
+    got = [line for line in text.splitlines() if line.startswith("flood line ")]
+    assert got == [f"flood line {i:08d}" for i in range(lines)]
+
+
+def test_a_server_flooding_while_the_daemon_is_down_loses_no_line(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    lines = 300_000  # 6 MB
+    cfg = flood_config(lines)
+    with shims_ended(tmp_path / "state", procs):
+        first = live_daemon(procs, tmp_path, fake_gpu, cfg)
+        first.wait_state("ready", timeout=60)
+        status = first.status()
+        pid, log = status["pid"], Path(status["log_file"])
+        first.proc.signal(signal.SIGKILL)
+        first.proc.popen.wait(10)
+        os.kill(pid, signal.SIGUSR2)
+        wait_until(lambda: "flood done" in log.read_text(), 60, "the flood to be written")
+        second = live_daemon(procs, tmp_path, fake_gpu, cfg)
+        assert second.wait_event("server.adopted", timeout=20)["pid"] == pid
+        flooded(log, lines)
+
+
+def test_a_stopped_daemon_never_stalls_the_server_nor_loses_its_lines(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """The daemon SIGSTOPped while the server floods past what the shim keeps for a client that
+    does not read: the file has every line, the server ends its flood, and the daemon, woken,
+    goes on supervising it (ready, the same process)."""
+    lines = 600_000  # 12 MB: more than the shim holds for the daemon
+    cfg = flood_config(lines)
+    with shims_ended(tmp_path / "state", procs):
+        d = live_daemon(procs, tmp_path, fake_gpu, cfg)
+        d.wait_state("ready", timeout=60)
+        status = d.status()
+        pid, log = status["pid"], Path(status["log_file"])
+        d.proc.signal(signal.SIGSTOP)
+        try:
+            os.kill(pid, signal.SIGUSR2)
+            wait_until(lambda: "flood done" in log.read_text(), 60, "the flood while stopped")
+        finally:
+            d.proc.signal(signal.SIGCONT)
+        flooded(log, lines)
+        wait_until(lambda: d.status()["state"] == "ready", 20, "the daemon back")
+        assert d.status()["pid"] == pid
+
+
+# -- upgrades: the next version adopts what this one launched ----------------------------------
+
+
+def install_shim(root: Path, version: tuple[int, int]) -> Path:
+    """Another install's shim: its three files and the log writer they load, copied under
+    `root`, speaking protocol `version`. Returns its shim.py."""
+    here = Path(shim_module.__file__).parent
+    (root / "server").mkdir(parents=True)
+    for name in ("shim.py", "shimproc.py", "shimwire.py"):
+        text = (here / name).read_text()
+        if name == "shimwire.py":
+            assert f"VERSION = {shimwire.VERSION}" in text
+            text = text.replace(f"VERSION = {shimwire.VERSION}", f"VERSION = {version}")
+        (root / "server" / name).write_text(text)
+    (root / "logfile.py").write_text((here.parent / "logfile.py").read_text())
+    return root / "server" / "shim.py"
+
+
+async def test_a_server_under_another_versions_shim_is_adopted_across_daemon_lives(
+    tmp_path: Path, fake_gpu: Path
+) -> None:
+    """A shim of another install, a later minor version of the protocol, runs the server; one
+    life of the daemon launches under it, the next adopts from it: the same process, with no
+    relaunch."""
+    later = (shimwire.VERSION[0], shimwire.VERSION[1] + 7)
+    script = install_shim(tmp_path / "other-install", later)
+    folder = tmp_path / "state" / "shim"
+    folder.mkdir(parents=True)
+    shim = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-I",
+        "-S",
+        str(script),
+        "--dir",
+        str(folder),
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert shim.stdout is not None and (await shim.stdout.readline()).startswith(b"listening ")
+        configs = {"k": standin_config()}
+        settings = {"live_restore": True}
+        async with running(tmp_path, fake_gpu, configs, settings=settings) as sup:
+            await sup.wait_for(lambda s: bool(events(s, "shim_connected")), 20)
+            assert events(sup, "shim_connected")[0]["pid"] == shim.pid  # found, not started
+            await sup.start("k")
+            await sup.wait_for_state(ServerState.READY, timeout=30)
+            assert sup.machine.launch is not None and sup.machine.launch.child is not None
+            pid = sup.machine.launch.child.pid
+            assert psutil.Process(pid).ppid() == shim.pid
+        async with live(tmp_path, fake_gpu, configs) as sup:  # (then the shim and its server end)
+            await sup.wait_for(lambda s: bool(events(s, "adopted")), 20)
+            assert events(sup, "adopted")[0]["pid"] == pid
+            assert len(events(sup, "launch")) == 1  # (events.jsonl keeps the first life's)
+            assert sup.machine.state == ServerState.READY
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            shim.kill()
+        await shim.wait()

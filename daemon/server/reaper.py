@@ -17,10 +17,12 @@ import contextlib
 import ctypes
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -34,6 +36,17 @@ PR_GET_CHILD_SUBREAPER = 37
 # Pids whose exit someone waits for (a server's pidfd, asyncio's child watcher for a helper):
 # the reaper must not take them.
 _OWNED: set[int] = set()
+# Held from a helper's spawn until it is owned, and while the sweep tells the launch's
+# processes from ours: a helper just started (the shim) is never taken for a leftover.
+_SPAWNING = threading.Lock()
+
+
+def spawn_owned(path: str, argv: list[str], env: dict[str, str], **kw: Any) -> int:
+    """`os.posix_spawn` a helper of ours, owned from its first instant (see `own`)."""
+    with _SPAWNING:
+        pid = os.posix_spawn(path, argv, env, **kw)
+        own(pid)
+    return pid
 
 
 def own(pid: int) -> None:
@@ -223,17 +236,20 @@ def find_leftovers(token: str, pgid: int | None = None) -> list[Leftover]:
     marker = f"{TOKEN_ENV}={token}\0".encode() if token else None
     me = os.getpid()
     helpers: set[int] = set()
-    for pid in _OWNED:  # other children of ours still running (not this launch's main)
-        helpers.add(pid)
-        with contextlib.suppress(psutil.Error):
-            helpers.update(c.pid for c in psutil.Process(pid).children(recursive=True))
     mine: set[int] = set()
-    with contextlib.suppress(psutil.Error):
-        mine = {c.pid for c in psutil.Process(me).children(recursive=True)} - helpers
+    with _SPAWNING:  # no helper is between its spawn and its owning
+        for pid in list(_OWNED):  # other children of ours still running (not this launch's)
+            helpers.add(pid)
+            with contextlib.suppress(psutil.Error):
+                helpers.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+        with contextlib.suppress(psutil.Error):
+            mine = {c.pid for c in psutil.Process(me).children(recursive=True)} - helpers
     found: list[Leftover] = []
     for pid in psutil.pids():
-        if pid == me or pid in helpers:
+        if pid == me or pid in _OWNED:
             continue
+        # A process of the launch's group or with its token is the launch's, wherever it hangs
+        # (a server whose shim was just killed is still the dying shim's child for a moment).
         belongs = pid in mine
         if not belongs and pgid is not None:
             with contextlib.suppress(OSError):

@@ -31,6 +31,10 @@ class ShimError(Exception):
         self.reason, self.detail = reason, detail
 
 
+class ShimVersionError(ConnectionError):
+    """The shim speaks another major version of the protocol."""
+
+
 class ShimClient(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -48,12 +52,16 @@ class ShimClient(asyncio.Protocol):
         major version is not this one's."""
         loop = asyncio.get_running_loop()
         _, client = await loop.create_unix_connection(cls, str(folder / "shim.sock"))
-        hello = await client.request("hello", version=list(shimwire.VERSION))
+        try:
+            hello = await client.request("hello", version=list(shimwire.VERSION))
+        except ConnectionError as exc:  # it went at once (a shim killed a moment ago)
+            client.close()
+            raise ConnectionResetError(f"the shim ended the connection at once: {exc}") from exc
         client.version = (int(hello["version"][0]), int(hello["version"][1]))
         client.shim_pid = int(hello["pid"])
         if client.version[0] != shimwire.VERSION[0]:
             client.close()
-            raise ConnectionError(
+            raise ShimVersionError(
                 f"shim protocol {client.version}, this daemon's {shimwire.VERSION}"
             )
         return client
@@ -186,6 +194,7 @@ class ShimServer:
         self.on_output: Callable[[bytes, int], None] = lambda data, fd: None
         self._on_exit: Callable[[int | None], None] | None = None
         self.dropped_bytes = 0  # output the shim did not hand on (the file has it)
+        self.lost_reason: str | None = None  # the shim was lost while it ran: exit unknown
 
     @property
     def pgid(self) -> int:
@@ -235,6 +244,8 @@ class ShimServer:
         """The shim is gone: this server's output and exit will not come through it."""
         if not self.spawned.done():
             self.spawned.set_exception(ShimError("internal_error", why))
+        if not self.exited.done():
+            self.lost_reason = f"the shim running it was lost ({why}): its exit is unknown"
         self._exit(None)
         self.closed.set()
 

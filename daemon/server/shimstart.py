@@ -23,17 +23,30 @@ from .shimclient import ShimClient
 
 SHIM = Path(__file__).with_name("shim.py")
 START_TIMEOUT_S = 10.0
+CONNECT_TRIES = 5
+CONNECT_RETRY_S = 0.05
 
 
 async def connect_or_start(folder: Path) -> tuple[ShimClient, int | None]:
     """The shim of `folder`, connected: one already running (None), or one started now (its
     pid). OSError or ConnectionError when neither works."""
     with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
-        return await ShimClient.connect(folder), None
+        return await _connect(folder), None
     pid = await asyncio.to_thread(_start, folder)
     if pid is not None:
         _reap_when_done(pid)
-    return await ShimClient.connect(folder), pid
+    return await _connect(folder), pid
+
+
+async def _connect(folder: Path) -> ShimClient:
+    """A shim killed a moment ago may still accept a connection and then reset it: it is
+    tried again (a few times, briefly) before its successor is started."""
+    for _ in range(CONNECT_TRIES - 1):
+        try:
+            return await ShimClient.connect(folder)
+        except (ConnectionResetError, BrokenPipeError):
+            await asyncio.sleep(CONNECT_RETRY_S)
+    return await ShimClient.connect(folder)
 
 
 def _start(folder: Path) -> int | None:
@@ -41,7 +54,7 @@ def _start(folder: Path) -> int | None:
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     read_end, write_end = os.pipe()
     try:
-        pid = os.posix_spawn(
+        pid = reaper.spawn_owned(
             sys.executable,
             [sys.executable, "-I", "-S", str(SHIM), "--dir", str(folder)],
             {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "TZ")},
@@ -53,7 +66,6 @@ def _start(folder: Path) -> int | None:
         )
     finally:
         os.close(write_end)
-    reaper.own(pid)
     try:
         ready, _, _ = select.select([read_end], [], [], START_TIMEOUT_S)
         said = os.read(read_end, 256) if ready else b""

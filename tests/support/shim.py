@@ -7,8 +7,9 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -38,16 +39,22 @@ def running_shim(folder: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 
 @contextlib.contextmanager
-def shims_ended(state_dir: Path) -> Iterator[None]:
-    """At the end, the shim of `state_dir` (started by a daemon, outliving it) is killed with
-    every process group its servers lead, whatever the test left."""
+def shims_ended(state_dir: Path, daemons: Sequence[Any] = ()) -> Iterator[None]:
+    """At the end, the daemons in `daemons` (`Proc`s) are ended (they would start a lost shim
+    again), then the shim of `state_dir` (outliving them) is killed with every process group
+    its servers lead, whatever the test left."""
     try:
         yield
     finally:
+        for proc in daemons:
+            with contextlib.suppress(ProcessLookupError):
+                proc.signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(20)
         folder = str(state_dir / "shim")
         for proc in psutil.process_iter(["cmdline"]):
             cmd = proc.info["cmdline"] or []
-            if shim_module.__file__ in cmd and folder in cmd:
+            if folder in cmd and any(part.endswith("shim.py") for part in cmd):
                 for pid in _children(proc.pid):
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(pid, signal.SIGKILL)
