@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 from .support.daemon import start_daemon, until
 from .support.procs import Proc, free_port, wait_until
+from .support.shim import shims_ended
 
 if TYPE_CHECKING:
     from gpuwarden.daemon.nvml import NvmlBackend
@@ -127,3 +129,61 @@ def test_daemon_waits_for_the_memory_and_relaunches_after_a_crash(
     if not st["gpu_pids_unresolved"]:
         holder = next(p for g in st["gpus"] for p in g["processes"] if p["pid"] == second["pid"])
         assert holder["ours"] is True and holder["used_mib"] >= 20000
+
+
+def test_a_server_holding_gpu_memory_survives_a_daemon_sigkill_and_is_adopted(
+    procs: list[Proc], tmp_path: Path, nvml: NvmlBackend
+) -> None:
+    """Live restore on a real GPU: the daemon is SIGKILLed while its server holds 20 GiB; the
+    next life adopts the same process, and the memory is never released (sampled every 5 ms
+    through the outage) nor loaded again (one `holding` line in the log)."""
+    idle = nvml.snapshot().gpus[0].used_mib
+    port, mib = free_port(), 20480
+    cfg = {
+        "command": [sys.executable, str(Path(__file__).with_name("gpu_server.py"))],
+        "args": {"port": port, "mib": mib},
+        "gpus": [0],
+        "preflight": {"argv": False},
+        "health": {"interval_s": 0.5, "startup_timeout_s": 300},
+    }
+    gpu = {"backend": "nvml", "poll_interval_s": 0.05, "release_timeout_s": 120}
+    fake = tmp_path / "unused-fake"
+    with shims_ended(tmp_path / "state", procs):
+        d = start_daemon(
+            procs, tmp_path, fake, {"torch": cfg}, default="torch", gpu=gpu, live_restore=True
+        )
+        d.wait_state("ready", timeout=300)
+        status = d.status()
+        pid, log = status["pid"], Path(status["log_file"])
+        lows: list[int] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                lows.append(nvml.snapshot().gpus[0].used_mib)
+                time.sleep(0.005)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        t0 = time.perf_counter()
+        d.proc.signal(signal.SIGKILL)
+        d.proc.popen.wait(10)
+        d = start_daemon(
+            procs, tmp_path, fake, {"torch": cfg}, default="torch", gpu=gpu, live_restore=True
+        )
+        adopted = d.wait_event("server.adopted", timeout=60)
+        took = time.perf_counter() - t0
+        time.sleep(2)
+        stop.set()
+        sampler.join(5)
+        st = d.status()
+        print(
+            f"\nadopted pid {adopted['pid']} {took:.3f} s after the SIGKILL (daemon start "
+            f"included); GPU 0 used through the outage: min {min(lows)} MiB, max {max(lows)} "
+            f"MiB over {len(lows)} samples (idle {idle} MiB); state {st['state']}"
+        )
+        assert adopted["pid"] == pid and st["pid"] == pid and st["state"] == "ready"
+        assert min(lows) >= idle + mib - 512  # never released
+        assert log.read_text().count(f"holding {mib} MiB") == 1  # never loaded again
+        d.http.post("/stop").raise_for_status()
+        d.wait_state("stopped", timeout=60)
