@@ -39,12 +39,35 @@ def _demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _shim(args: argparse.Namespace) -> int:
+    """Become the shim of the settings' state directory (`gpuwarden-shim.service` runs this):
+    the bare interpreter on the shim's file, in this process, so its pid is the unit's."""
+    from gpuwarden.daemon.server import shimstart  # noqa: PLC0415
+    from gpuwarden.daemon.settings import SettingsError, load_settings  # noqa: PLC0415
+
+    try:
+        settings = load_settings(getattr(args, "settings", None))
+    except SettingsError as exc:
+        print(f"gpuwarden: {exc}", file=sys.stderr)
+        return 1
+    argv = shimstart.command(settings.state_dir / "shim")
+    os.execv(argv[0], argv)
+
+
 def add_serve_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the daemon in the foreground")
     # SUPPRESS: `gpuwarden --settings FILE serve` keeps the main parser's value.
     p.add_argument("--settings", type=Path, default=argparse.SUPPRESS, help="settings YAML")
     p.add_argument("--listen", default=None, help="control plane HOST:PORT (overrides settings)")
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser(
+        "shim",
+        help="run the shim of the settings' state directory in the foreground (live_restore's "
+        "servers' parent; gpuwarden-shim.service)",
+    )
+    p.add_argument("--settings", type=Path, default=argparse.SUPPRESS, help="settings YAML")
+    p.set_defaults(func=_shim)
 
     p = sub.add_parser("demo", help="run the daemon on the bundled SGLang stand-in")
     p.add_argument(

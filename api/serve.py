@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import ctypes
 import gc
+import logging
 import os
 import resource
 import signal
@@ -144,6 +145,13 @@ async def serve(settings: Settings, on_listening: Callable[[str, int], None] | N
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reload_asked: list[bool] = []  # SIGHUP: stop as for SIGTERM, then execute ourselves again
+
+    def reload() -> None:
+        reload_asked.append(True)
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
     loop.add_signal_handler(signal.SIGCHLD, reaper.OrphanReaper(loop))
     # A full disk or a file-size limit must not kill the daemon: with SIGXFSZ ignored, an
     # oversized write fails with EFBIG, which the log and state writers report and survive.
@@ -190,9 +198,14 @@ async def serve(settings: Settings, on_listening: Callable[[str, int], None] | N
     if sup_task in done:
         log.error("daemon.supervisor_ended", error=repr(sup_task.exception()))
         rc = 1
+    elif reload_asked:
+        log.info("daemon.reloading", detail=RELOADING)
+        notifier.reloading()
     else:
-        log.info("daemon.stopping", detail="stopping the server; the saved intent is kept")
+        kept = "it runs on (live_restore)" if settings.live_restore else "stopping the server"
+        log.info("daemon.stopping", detail=f"{kept}; the saved intent is kept")
         notifier.stopping()
+    if sup_task not in done:
         # Bounded: a supervisor that cannot finish its stop must not keep SIGTERM from ending
         # the daemon. Past the bound the server's group is killed here, and the exit is 1.
         bound = settings.stop.grace_s + SHUTDOWN_SLACK_S
@@ -214,7 +227,7 @@ async def serve(settings: Settings, on_listening: Callable[[str, int], None] | N
     gpu.close()
     supervisor.events.close()
     log.info("daemon.stopped", rc=rc)
-    return rc
+    return RELOAD if reload_asked and rc == 0 else rc
 
 
 def _status_line(supervisor: Supervisor) -> str:
@@ -242,6 +255,11 @@ async def _notify_loop(notifier: Notifier, supervisor: Supervisor) -> None:
 
 
 SHUTDOWN_SLACK_S = 30.0
+RELOAD = -1  # `serve`'s answer to SIGHUP: the caller executes the daemon again, same pid
+RELOADING = (
+    "SIGHUP: the daemon executes itself again (an upgrade takes effect); with live_restore "
+    "the server runs on and is adopted, without it it is stopped and started again"
+)
 
 
 def raise_fd_limit() -> None:
@@ -261,4 +279,8 @@ def run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"gpuwarden: {exc}", file=sys.stderr)
         return 1
-    return asyncio.run(serve(settings))
+    rc = asyncio.run(serve(settings))
+    if rc == RELOAD:  # the same pid (systemd's main), the program as installed now
+        logging.shutdown()
+        os.execv(sys.executable, sys.orig_argv)
+    return rc

@@ -14,6 +14,7 @@ posted (`TaskFailed`); one that overruns its deadline makes supervision count as
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ from .settings import Settings
 from .store import EventLog, StateStore
 from .tasks import Tasks
 
+EXTERNAL_WAIT_S = shimstart.EXTERNAL_WAIT_S
 SHIM_FALLBACK = "servers are started by the daemon itself: they do not outlive it"
 SHIM_LOST = (
     "its servers' output and exits had no other way to the daemon: they are ended and started "
@@ -112,8 +114,12 @@ class Host:
 
     async def _connect_shim(self, again: bool) -> None:
         folder = self.settings.state_dir / "shim"
+        unit = os.environ.get(shimstart.EXTERNAL_ENV)
         try:
-            shim, started = await shimstart.connect_or_start(folder)
+            if unit:  # its own unit runs it (and starts it again): never one of ours
+                shim, started = await shimstart.connect_external(folder, EXTERNAL_WAIT_S), None
+            else:
+                shim, started = await shimstart.connect_or_start(folder)
         except Exception as exc:  # OSError, ConnectionError: said, and the daemon runs them
             self._event("shim_unavailable", error=str(exc), detail=SHIM_FALLBACK)
             return

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 
 class Notifier:
@@ -45,6 +46,10 @@ class Notifier:
 
     def watchdog(self) -> None:
         self.notify("WATCHDOG=1")
+
+    def reloading(self) -> None:
+        """The daemon executes itself again (SIGHUP): READY=1 comes from the new program."""
+        self.notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
 
     def stopping(self) -> None:
         self.notify("STOPPING=1", "STATUS=stopping the server")

@@ -26,8 +26,8 @@ from gpuwarden.daemon.server import shimwire
 from gpuwarden.daemon.states import ServerState
 from gpuwarden.daemon.supervisor import Supervisor
 
-from .support.configs import standin_config
-from .support.daemon import Daemon, start_daemon
+from .support.configs import standin_config, write_setup
+from .support.daemon import Daemon, gpuwarden, serve, start_daemon
 from .support.procs import PY, Proc, alive, free_port, wait_until
 from .support.shim import shims_ended
 from .support.supervisor import running
@@ -420,3 +420,52 @@ async def test_a_server_under_another_versions_shim_is_adopted_across_daemon_liv
         with contextlib.suppress(ProcessLookupError):
             shim.kill()
         await shim.wait()
+
+
+def test_a_shim_in_a_unit_of_its_own_keeps_the_server_through_a_daemon_restart(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """The systemd mechanism without systemd. `gpuwarden shim` runs as gpuwarden-shim.service
+    would (its own process, its own session); the daemon, told so (GPUWARDEN_SHIM_UNIT),
+    connects to it and starts none. `systemctl restart gpuwarden` is SIGTERM to the daemon,
+    then (KillMode=mixed) SIGKILL to what is left of the daemon's own: the server is not
+    there, runs on, and the next daemon adopts it."""
+    settings = write_setup(tmp_path, {"k": standin_config()}, "k", live_restore=True)
+    env = {"GPUWARDEN_SHIM_UNIT": "gpuwarden-shim.service"}
+    with shims_ended(tmp_path / "state", procs):
+        unit = gpuwarden(procs, "shim", "--settings", str(settings), fake_gpu=fake_gpu)
+        unit.wait_for("^listening ", timeout=20)
+        d = Daemon(serve(procs, settings, fake_gpu, env=env), tmp_path)
+        connected = d.wait_event("server.shim_connected")
+        assert (connected["pid"], connected["started"]) == (unit.pid, False)  # the unit's
+        d.wait_state("ready", timeout=60)
+        pid = d.status()["pid"]
+        assert psutil.Process(pid).ppid() == unit.pid
+        d.proc.signal(signal.SIGTERM)
+        assert d.proc.popen.wait(30) == 0
+        d.proc.kill_group()  # what KillMode=mixed kills of the daemon's unit after its exit
+        assert alive(pid)
+        d = Daemon(serve(procs, settings, fake_gpu, env=env), tmp_path)
+        assert d.wait_event("server.adopted", timeout=20)["pid"] == pid
+        d.http.post("/stop").raise_for_status()  # `gpuwarden stop`: the server goes
+        d.wait_state("stopped", timeout=30)
+        assert not alive(pid) and unit.popen.poll() is None  # the shim's unit runs on
+
+
+def test_sighup_executes_the_daemon_again_in_place_and_it_adopts_its_server(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    """`systemctl reload gpuwarden` (ExecReload: SIGHUP): the daemon stops as for SIGTERM,
+    leaving the server to the shim, and executes itself again (the same pid, the program as
+    installed now), which adopts the server."""
+    with shims_ended(tmp_path / "state", procs):
+        d = live_daemon(procs, tmp_path, fake_gpu, standin_config())
+        d.wait_state("ready", timeout=60)
+        pid, mark = d.status()["pid"], d.mark()
+        d.proc.signal(signal.SIGHUP)
+        d.wait_event("daemon.reloading", after=mark)
+        listening = d.wait_event("api.listening", after=mark, timeout=30)  # the same process
+        assert d.wait_event("server.adopted", after=mark, timeout=20)["pid"] == pid
+        assert d.proc.popen.poll() is None
+        d.http = httpx.Client(base_url=listening["url"], timeout=30, trust_env=False)  # port 0
+        assert d.status()["pid"] == pid and d.status()["state"] == "ready"

@@ -24,6 +24,10 @@ from .shimclient import ShimClient
 SHIM = Path(__file__).with_name("shim.py")
 START_TIMEOUT_S = 10.0
 CONNECT_TRIES = 5
+# Set (to the unit's name) where the shim runs in a systemd unit of its own: the daemon then
+# connects to it, waiting for it, and never starts one in its own cgroup.
+EXTERNAL_ENV = "GPUWARDEN_SHIM_UNIT"
+EXTERNAL_WAIT_S = 30.0
 CONNECT_RETRY_S = 0.05
 
 
@@ -49,14 +53,33 @@ async def _connect(folder: Path) -> ShimClient:
     return await ShimClient.connect(folder)
 
 
+def command(folder: Path) -> list[str]:
+    """The shim's command line: a bare interpreter (no site, no package imports) on its file."""
+    return [sys.executable, "-I", "-S", str(SHIM), "--dir", str(folder)]
+
+
+async def connect_external(folder: Path, wait_s: float) -> ShimClient:
+    """The shim of `folder`, started by another (its own systemd unit): connected, waiting up to
+    `wait_s` for it to listen. Never started here."""
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while True:
+        try:
+            return await _connect(folder)
+        except (FileNotFoundError, ConnectionRefusedError):
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
 def _start(folder: Path) -> int | None:
     """Start a shim; return once it listens (its pid), or once another is found to (None)."""
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     read_end, write_end = os.pipe()
     try:
+        argv = command(folder)
         pid = reaper.spawn_owned(
-            sys.executable,
-            [sys.executable, "-I", "-S", str(SHIM), "--dir", str(folder)],
+            argv[0],
+            argv,
             {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "TZ")},
             file_actions=[
                 (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
