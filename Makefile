@@ -63,6 +63,9 @@ $(PEERS)/.installed:
 # bench/results/peers.{md,json} and the README's table.
 bench: setup $(PEERS)/.installed
 	$(BIN)/python bench/peers.py --readme README.md
+	$(BIN)/python bench/shim.py
+	$(BIN)/python bench/adopt.py
+	$(BIN)/python bench/restart.py --repeat 1 --live-restore
 
 # The restart rows alone (crash -> next start, exit -> state change), N runs of interleaved
 # rounds, each run with fresh tools: `make bench-repeat N=5`. Prints each run's medians,
@@ -71,9 +74,11 @@ N ?= 5
 bench-repeat: setup $(PEERS)/.installed
 	$(BIN)/python bench/restart.py --repeat $(N)
 
-# The shim's own figures: its memory, a flood captured through it, an adoption's share.
+# The shim's own figures: its memory, a flood captured through it, an adoption's share; then
+# adoptions by real daemons after a SIGKILL.
 bench-shim: setup
 	$(BIN)/python bench/shim.py
+	$(BIN)/python bench/adopt.py
 
 # A dead child of the real SGLang (and of the stand-in): crash line -> group gone -> next exec.
 bench-real: setup

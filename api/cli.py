@@ -51,7 +51,7 @@ def _shim(args: argparse.Namespace) -> int:
         print(f"gpuwarden: {exc}", file=sys.stderr)
         return 1
     argv = shimstart.command(settings.state_dir / "shim")
-    os.execv(argv[0], argv)
+    os.execve(argv[0], argv, {**os.environ, **shimstart.environment()})
 
 
 def add_serve_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

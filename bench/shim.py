@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwarden.daemon.server import shim as shim_module
-from gpuwarden.daemon.server import shimwire
+from gpuwarden.daemon.server import shimstart, shimwire
 
 # N 80-byte lines through a 64 KiB buffer; its wall time, and its longest single write, to a file.
 WRITER = """
@@ -77,10 +76,11 @@ class Client:
 
 
 def start_shim(folder: Path) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [sys.executable, "-I", "-S", shim_module.__file__, "--dir", str(folder)],
+    proc = subprocess.Popen(  # as the daemon starts it: its command and its environment
+        shimstart.command(folder),
         stdout=subprocess.PIPE,
         start_new_session=True,
+        env=shimstart.environment(),
     )
     assert proc.stdout is not None and proc.stdout.readline().startswith(b"listening")
     return proc
@@ -128,6 +128,8 @@ def main() -> None:
                 assert lines == args.lines, (lid, lines)
                 client.request("release", launch_id=lid)
         with_server = rss_mib(proc.pid)
+        time.sleep(1.5)  # a quiet second: the shim gives a flood's buffers back
+        settled = rss_mib(proc.pid)
         # A later client: connect, hello, list, attach to a running server.
         client.request(
             "spawn",
@@ -150,7 +152,10 @@ def main() -> None:
         proc.kill()
         proc.wait()
     med = statistics.median
-    print(f"shim RSS: idle {idle:.1f} MiB; after {2 * args.reps} floods {with_server:.1f} MiB")
+    print(
+        f"shim RSS: idle {idle:.1f} MiB; right after {2 * args.reps} floods {with_server:.1f} MiB,"
+        f" a quiet second later {settled:.1f} MiB"
+    )
     print(
         f"capture, {args.lines:,} lines of 80 B, 64 KiB writes, child wall (median of "
         f"{args.reps}): floor {med(floor):.3f} s; through the shim {med(shim_wall):.3f} s "

@@ -45,7 +45,7 @@ wire = _load("wire", os.path.join(_HERE, "shimwire.py"))
 proc = _load("proc", os.path.join(_HERE, "shimproc.py"))
 logfile = _load("logfile", os.path.join(os.path.dirname(_HERE), "logfile.py"))
 
-READ_SIZE = 64 * 1024
+READ_SIZE = 256 * 1024  # a flood moves in few reads (the pipes hold 1 MiB)
 PIPE_SIZE = 1 << 20
 F_SETPIPE_SZ = 1031
 CLIENT_BUFFER = 8 * 1024 * 1024
@@ -69,6 +69,7 @@ class Shim:
         self.done = False
         self.accept_paused: float | None = None
         self.term_asked = False  # SIGTERM: end once nothing runs (the servers never go with it)
+        self.moved = False  # output went through since the heap was last trimmed
         os.makedirs(folder, mode=0o700, exist_ok=True)
         path = os.path.join(folder, "shim.sock")
         with contextlib.suppress(FileNotFoundError):
@@ -87,7 +88,11 @@ class Shim:
 
     def run(self) -> None:
         while not self.done:
-            for key, mask in self.sel.select(timeout=1.0):
+            ready = self.sel.select(timeout=1.0)
+            if not ready and self.moved:  # a quiet second after output: give its buffers back
+                self.moved = False
+                _trim()
+            for key, mask in ready:
                 what, obj = key.data
                 if what == "accept":
                     self._accept()
@@ -294,6 +299,7 @@ class Shim:
         if not data:
             self._close_pipe(server, fd)
             return
+        self.moved = True
         lines = server.log.feed(data, server.pipes[fd])
         if lines:
             frame = wire.output_frame(server.launch_id, server.pipes[fd], lines)
@@ -323,6 +329,23 @@ class Shim:
             self.servers.pop(server.launch_id, None)
             return
         proc.write_record(server, self.dir)
+
+
+def _trim() -> None:
+    """Give the heap's free memory back (glibc): a flood's buffers, and a slow client's, are
+    not kept for the shim's life. Elsewhere, nothing."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes  # noqa: PLC0415 - half a MiB, only once output has gone through
+
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = lambda pad: 0  # noqa: E731
+    _malloc_trim(0)
+
+
+_malloc_trim: Any = None
 
 
 def main(argv: list[str]) -> int:

@@ -58,6 +58,12 @@ def command(folder: Path) -> list[str]:
     return [sys.executable, "-I", "-S", str(SHIM), "--dir", str(folder)]
 
 
+def environment() -> dict[str, str]:
+    """The shim's environment: the daemon's locale and path. (A server's environment is the
+    one sent with it.)"""
+    return {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "TZ")}
+
+
 async def connect_external(folder: Path, wait_s: float) -> ShimClient:
     """The shim of `folder`, started by another (its own systemd unit): connected, waiting up to
     `wait_s` for it to listen. Never started here."""
@@ -80,7 +86,7 @@ def _start(folder: Path) -> int | None:
         pid = reaper.spawn_owned(
             argv[0],
             argv,
-            {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "TZ")},
+            environment(),
             file_actions=[
                 (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                 (os.POSIX_SPAWN_DUP2, write_end, 1),
