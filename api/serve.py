@@ -282,5 +282,6 @@ def run(args: argparse.Namespace) -> int:
     rc = asyncio.run(serve(settings))
     if rc == RELOAD:  # the same pid (systemd's main), the program as installed now
         logging.shutdown()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (ignored across the exec, until handled)
         os.execv(sys.executable, sys.orig_argv)
     return rc

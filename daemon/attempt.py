@@ -81,6 +81,7 @@ class Attempts:
         launch.launch_id, launch.token = str(r["launch_id"]), str(r["token"])
         launch.redactor = Redactor(launch.config.secret_values())
         launch.child, launch.exited_at = adoptee.server, adoptee.exited_at
+        launch.recorded = dict(r)
         launch.started_at, launch.ready_at = _time(r.get("started_at")), _time(r.get("ready_at"))
         # Its monotonic times, as far back from now as its wall times are.
         launch.started_mono = mono - max(0.0, now - (launch.started_at or now))

@@ -177,7 +177,8 @@ async def _attach(
         why = f"its config {name!r} no longer reads ({exc}); it is left running, unmanaged"
         return None, _unmanaged(pid, why)
     try:
-        server = await shim.attach(str(record["launch_id"]), Path(str(record.get("log_file"))))
+        log = view.get("log") or record.get("log_file")  # the shim's word first
+        server = await shim.attach(str(record["launch_id"]), Path(str(log)))
     except (ConnectionError, ShimError) as exc:
         return None, _unmanaged(pid, f"the shim did not hand it over: {exc}")
     server.create_time = _float(record.get("create_time")) or 0.0

@@ -26,7 +26,7 @@ from .gpu import GpuBackend
 from .gpuwatch import GpuWatch, SampleTarget
 from .health import Prober
 from .launching import Launching
-from .messages import EventNoted, Message, PreviousServerStopped
+from .messages import BootBegan, EventNoted, Message, PreviousServerStopped
 from .probing import Probes
 from .records import Records
 from .retrying import Retry
@@ -149,6 +149,8 @@ class Host:
 
     async def close(self) -> None:
         self._closing = True
+        if self._restarting is not None:
+            self._restarting.cancel()
         if self.shim is not None:
             self.shim.close()  # the shim and its servers run on: a later life takes them
         await self.records.close()
@@ -264,6 +266,12 @@ class Host:
             else:
                 shim.tell("release", launch_id=previous.launch_id, trailer=boot.STOPPED_AT_BOOT)
         self.post(PreviousServerStopped(previous, killed))
+
+    async def survey(self, store: StateStore, boot_id: str) -> BootBegan:
+        """What the previous life left (`boot.survey`), with `live_restore` asked of the shim,
+        found or started first."""
+        await self.start_shim()
+        return await boot.survey(store, boot_id, self.settings.state_dir, self.shim, self.configs)
 
     def boot_start(self, config: str, rollback: str | None) -> None:
         self.tasks.task(self._boot_start(config, rollback), deadline_s=boot.BOOT_DEADLINE_S)

@@ -352,12 +352,13 @@ class Machine:
         self.persist()  # the previous life's record, brought up to date, is saved now
         self.ledger.note_unmanaged(msg.unmanaged)
         adoptee, prev = msg.adoptee, msg.previous
-        if adoptee is not None and adoptee.config.name == plan.config:
+        stopping = adoptee is not None and bool(adoptee.record.get("stopping"))
+        if adoptee is not None and adoptee.config.name == plan.config and not stopping:
             adopted = self._adopt(adoptee)  # it serves what is asked: supervised as it runs
             self.booting.begin(None, None, None)
             self._boot_go_on("", adopted)
             return
-        if adoptee is not None:  # not what is asked to run (any more): stopped, as ever
+        if adoptee is not None:  # not what is asked to run, or being stopped: stopped, as ever
             prev = adoptee.previous()
         # The previous server's record, kept in state.json until it is stopped.
         previous = msg.record.get("current_launch") if prev is not None else None
@@ -388,6 +389,8 @@ class Machine:
         if launch is None:
             return
         self.attempts.adopted(launch, msg.log)
+        if launch.exited_at is not None:
+            return  # it ended while the daemon was away: its exit comes next
         if self.state == ServerState.READY:
             self._ready_settles(launch)
         elif self.state == ServerState.STARTING:

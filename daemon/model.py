@@ -123,6 +123,9 @@ class Launch:
     exited: bool = False
     returncode: int | None = None
     exited_at: float | None = None  # when known better than its handling (adopted, exited away)
+    # Adopted: its launch as the previous life recorded it (state.json's `current_launch`), what
+    # it was launched with (argv digest, config hash, port, log) whatever its config reads now.
+    recorded: dict[str, Any] | None = None
     next: Next | None = None
     next_config: ResolvedConfig | None = None
     imposed: Classification | None = None

@@ -19,7 +19,7 @@ from .states import SwapPhase
 
 KNOWN_KEPT = 500  # processes of ours remembered (pid, create time) across lives
 # state.json's shape. 1: no `schema` key (read as it is); 2: `schema`, and the running
-# launch's `argv_digest` and `shim` (what adoption verifies a server by).
+# launch's `argv_digest`, `shim` and `stopping` (what adoption verifies and decides by).
 SCHEMA = 2
 
 
@@ -33,10 +33,11 @@ def record(m: Any, boot_id: str) -> dict[str, Any]:
     launch = m.launch
     current = None
     if launch is not None and launch.running:
+        cfg = launch.config
         current = {
             "launch_id": launch.launch_id,
             "token": launch.token,
-            "config": launch.config.name,
+            "config": cfg.name,
             "pid": launch.child.pid,
             "pgid": launch.child.pgid,
             "create_time": launch.child.create_time,
@@ -46,19 +47,25 @@ def record(m: Any, boot_id: str) -> dict[str, Any]:
             # far it got, where its log is, what it was launched from, what it holds.
             "ready_at": launch.ready_at,
             "log_file": str(launch.log.path) if launch.log is not None else None,
-            "config_hash": launch.config.config_hash,
-            "argv": launch.config.redacted_argv(),
-            "argv_digest": argv_digest(launch.config.argv),
-            "shim": launch.child.survives_daemon,
-            "port": launch.config.port,
-            "health_url": launch.config.shown_health_url,
+            "config_hash": cfg.config_hash,
+            "argv": cfg.redacted_argv(),
+            "argv_digest": argv_digest(cfg.argv),
+            "port": cfg.port,
+            "health_url": cfg.shown_health_url,
             "rank_gpus": (
                 {str(i): pids for i, pids in launch.rank_gpus.items()}
                 if launch.rank_gpus is not None
                 else None
             ),
             "on_probation": launch.on_probation,
+            "shim": launch.child.survives_daemon,
+            # Being stopped (a stop, a restart, a retry): a later life does not adopt it.
+            "stopping": launch.next is not None,
         }
+        if launch.recorded is not None:  # adopted: what it was launched with, as recorded then
+            for key in ("log_file", "config_hash", "argv", "argv_digest", "port", "health_url"):
+                if key in launch.recorded and (key != "log_file" or launch.log is None):
+                    current[key] = launch.recorded[key]
     if current is None and m.booting.stopping_record is not None:
         current = m.booting.stopping_record  # the previous life's, until it is stopped
     return {

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from gpuwarden.daemon import logsetup
 
-from . import boot, errors, reading, saved, views
+from . import errors, reading, saved, views
 from . import messages as msgs
 from .clock import Clock, SystemClock
 from .configs import ConfigStore
@@ -110,10 +110,7 @@ class Supervisor:
     async def run(self) -> None:
         self._owner = asyncio.current_task()
         self.host.poll_gpus()
-        await self.host.start_shim()  # with live_restore: before the previous life is read
-        began = await boot.survey(
-            self.store, self._boot_id, self.settings.state_dir, self.host.shim, self.configs
-        )
+        began = await self.host.survey(self.store, self._boot_id)  # (its shim first)
         with contextlib.suppress(TypeError, ValueError):  # events.jsonl may be gone: go on
             self.events.seq = max(self.events.seq, int(began.record.get("events_seq") or 0))
         # The first message, before any command: those asked meanwhile wait in the inbox.

@@ -122,6 +122,20 @@ def test_the_shim_has_a_unit_of_its_own_so_servers_outlive_the_daemons() -> None
         assert d in shim and d in daemon
 
 
+def test_both_units_find_the_same_shim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shim's unit and the daemon's resolve the same state directory from the installed
+    settings (the socket is <state_dir>/shim/shim.sock), under their own environments."""
+    folders = []
+    for unit in (UNIT, SHIM_UNIT):
+        with monkeypatch.context() as env:
+            for line in unit.read_text().splitlines():
+                if line.startswith("Environment=GPUWARDEN_"):
+                    key, value = line.removeprefix("Environment=").split("=", 1)
+                    env.setenv(key, value)
+            folders.append(load_settings(ROOT / "systemd" / "settings.yaml").state_dir)
+    assert folders[0] == folders[1] == Path("/var/lib/gpuwarden")
+
+
 @pytest.mark.parametrize("unit_file", [UNIT, SHIM_UNIT], ids=lambda p: p.name)
 def test_unit_exposure_is_low(unit_file: Path) -> None:
     analyze = require_tool("systemd-analyze")

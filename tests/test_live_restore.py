@@ -469,3 +469,13 @@ def test_sighup_executes_the_daemon_again_in_place_and_it_adopts_its_server(
         assert d.proc.popen.poll() is None
         d.http = httpx.Client(base_url=listening["url"], timeout=30, trust_env=False)  # port 0
         assert d.status()["pid"] == pid and d.status()["state"] == "ready"
+        # The shim it started before is its child still, and owned again: a crash's sweep
+        # takes the server's leftovers, never the shim.
+        shim = psutil.Process(pid).ppid()
+        os.kill(pid, signal.SIGKILL)
+        d.wait_event("server.exit", after=mark, timeout=20)
+        wait_until(lambda: d.status()["state"] == "ready" and d.status()["pid"] != pid, 30, "up")
+        assert psutil.Process(d.status()["pid"]).ppid() == shim
+        assert not [r for r in d.records()[mark:] if r.get("event") == "server.shim_lost"]
+        d.http.post("/stop").raise_for_status()
+        wait_until(lambda: d.status()["state"] == "stopped", 30, "the stop")

@@ -94,3 +94,30 @@ def test_unmanaged_processes_are_listed_and_never_signalled(tmp_path: Path) -> N
     assert w.m.ledger.unmanaged == [dict(found[0])]
     assert w.host.events("unmanaged_process")[0]["pid"] == 777
     assert not w.host.called("stop_previous") and not w.host.called("kill_group")
+
+
+def test_a_server_that_was_being_stopped_is_not_adopted_but_stopped(tmp_path: Path) -> None:
+    """The previous life died while it stopped its server for a restart: that server is not
+    taken for the one asked to run (it is on its way out); it is stopped, then the boot starts."""
+    w = World(tmp_path, **FAST)
+    adoptee = w.adopt("a", stopping=True)
+    assert w.m.launch is None and w.m.booting.active
+    (prev,) = w.host.called("stop_previous")[0]
+    assert prev.pid == adoptee.server.pid
+
+
+def test_an_adopted_launch_is_saved_as_it_was_launched_not_as_its_config_reads_now(
+    tmp_path: Path,
+) -> None:
+    """Its config edited since it was launched: a later life verifies it by what it runs."""
+    w = World(tmp_path, **FAST)
+    adoptee = w.adopt("a", recorded={"argv_digest": "d-launched", "config_hash": "h-launched"})
+    current = saved.record(w.m, "b")["current_launch"]
+    assert (current["argv_digest"], current["config_hash"]) == ("d-launched", "h-launched")
+    assert adoptee.config_changed and w.host.events("adopted")[0]["config_changed"] is True
+
+
+def test_an_adoptee_that_ended_away_is_not_watched_as_ready(tmp_path: Path) -> None:
+    w = World(tmp_path, **FAST)
+    w.adopt(ready=True, exited=3)
+    assert not w.host.called("probe") and not w.host.called("refresh_gpus")

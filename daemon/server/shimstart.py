@@ -35,11 +35,23 @@ async def connect_or_start(folder: Path) -> tuple[ShimClient, int | None]:
     """The shim of `folder`, connected: one already running (None), or one started now (its
     pid). OSError or ConnectionError when neither works."""
     with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
-        return await _connect(folder), None
+        return _adopted_child(await _connect(folder)), None
     pid = await asyncio.to_thread(_start, folder)
     if pid is not None:
         _reap_when_done(pid)
     return await _connect(folder), pid
+
+
+def _adopted_child(shim: ShimClient) -> ShimClient:
+    """A shim found running may be this process's own child (the daemon executed itself again
+    since it started it, keeping its pid): owned again, so no sweep takes it for a leftover, and
+    reaped when it ends."""
+    with contextlib.suppress(OSError, ValueError):
+        stat = Path(f"/proc/{shim.shim_pid}/stat").read_text()
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+            reaper.own(shim.shim_pid)
+            _reap_when_done(shim.shim_pid)
+    return shim
 
 
 async def _connect(folder: Path) -> ShimClient:

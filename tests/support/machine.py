@@ -133,6 +133,8 @@ class World:
         ready: bool = True,
         exited: int | None = None,
         record: dict[str, Any] | None = None,
+        stopping: bool = False,
+        recorded: dict[str, Any] | None = None,
     ) -> Adoptee:
         """The boot finds the previous life's launch L3 of `name` under the shim, verified
         (ready or still starting; `exited`: it ended with that code while the daemon was away),
@@ -146,14 +148,16 @@ class World:
             "config_hash": self.cfg(name).config_hash,
             "started_at": self.clock.time() - 100,
             "ready_at": self.clock.time() - 40 if ready else None,
+            "stopping": stopping,
+            **(recorded or {}),
         }
         saved = {
             "intent": {"config": name, "running": True},
             "last_good_config": name,
             "launch_seq": 3,
             "launches": [{"launch_id": "L3", "config": name, "exit": None}],
-            "current_launch": current,
             **(record or {}),
+            "current_launch": current,
         }
         away = None if exited is None else self.clock.time() - 5
         child = FakeChild(self.pids, self.pids, 1.5, survives_daemon=True)
