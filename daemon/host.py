@@ -37,6 +37,7 @@ from .store import EventLog, StateStore
 from .tasks import Tasks
 
 EXTERNAL_WAIT_S = shimstart.EXTERNAL_WAIT_S
+SHIM_RETRY_MAX_S = 30.0
 SHIM_FALLBACK = "servers are started by the daemon itself: they do not outlive it"
 SHIM_LOST = (
     "its servers' output and exits had no other way to the daemon: they are ended and started "
@@ -112,7 +113,10 @@ class Host:
         if self.settings.live_restore:
             await self._connect_shim(again=False)
 
-    async def _connect_shim(self, again: bool) -> None:
+    async def _connect_shim(self, again: bool, delay_s: float = 0.0) -> None:
+        """Connect to (or start) the shim; one lost is sought again and again, backing off to
+        `SHIM_RETRY_MAX_S`, while launches meanwhile run under the daemon (as said)."""
+        await asyncio.sleep(delay_s)
         folder = self.settings.state_dir / "shim"
         unit = os.environ.get(shimstart.EXTERNAL_ENV)
         try:
@@ -122,6 +126,9 @@ class Host:
                 shim, started = await shimstart.connect_or_start(folder)
         except Exception as exc:  # OSError, ConnectionError: said, and the daemon runs them
             self._event("shim_unavailable", error=str(exc), detail=SHIM_FALLBACK)
+            if again and not self._closing:  # (a shim refused at the start is not sought again)
+                later = min(max(2 * delay_s, 1.0), SHIM_RETRY_MAX_S)
+                self._restarting = self.tasks.task(self._connect_shim(True, later), name="shim")
             return
         self.shim = shim
         shim.lost.add_done_callback(self._shim_lost)

@@ -32,7 +32,7 @@ from .messages import (
 )
 from .model import utc_iso
 from .resolvedconfig import redacted_header_lines
-from .server import local
+from .server import local, reaper
 from .server.shimclient import ShimClient, ShimError, ShimFile, ShimServer
 from .sglanglines import Finding, ParsedLine
 from .tasks import Tasks
@@ -73,11 +73,13 @@ class Launching:
         # its own). Read once: decoding os.environ at each launch cost the restart path ~0.1 ms.
         self.base_env = dict(os.environ)
 
-    def spawn(self, launch: Launch) -> None:
+    def spawn(self, launch: Launch, wait: bool = True) -> None:
         shim = self.shim()
         if isinstance(shim, asyncio.Future):  # the shim is being started again: the exec waits
-            self.tasks.task(self._spawn_when(launch, shim), gen=launch.gen, name="spawn")
-            return
+            if wait:  # (once: a shim that does not come back leaves the launch to the daemon)
+                self.tasks.task(self._spawn_when(launch, shim), gen=launch.gen, name="spawn")
+                return
+            shim = None
         self._early[launch.gen] = []
         # The exec in this very turn (posix_spawn returns at it): the server does not wait for
         # a task's turn of the loop. Its log, its pipes and its first slice are the task's.
@@ -111,7 +113,7 @@ class Launching:
         """The shim was lost and is being started again: the launch is executed once it is up
         (or, if it cannot be had, by the daemon itself, as that was said)."""
         await asyncio.wait([shim], timeout=SHIM_RESTART_WAIT_S)
-        self.spawn(launch)
+        self.spawn(launch, wait=False)
 
     def _header(self, launch: Launch) -> list[str]:
         header = [f"gpuwarden launch {launch.launch_id} at {utc_iso(self.clock.time())}"]
@@ -159,7 +161,10 @@ class Launching:
                     await child.spawned
                 except ShimError as refused:
                     why = refused.reason if refused.reason in SHIM_REFUSALS else "internal_error"
-                    child = refused  # nothing of it runs
+                    child = refused  # nothing of it runs, unless the shim went after its exec:
+                    if why == "internal_error":  # what carries its token goes
+                        found = await asyncio.to_thread(reaper.find_leftovers, launch.token)
+                        await reaper.kill_leftovers(found)
                     self.post(SpawnFailed(gen, why, f"the shim: {refused.detail or refused}"))
                     return
             if isinstance(child, Exception):
@@ -216,13 +221,15 @@ class Launching:
             redact=launch.redactor.text,
             file=ShimFile(child),
         )
-        tail = await asyncio.to_thread(read_tail, child.log_path, RING_LINES)
-        log.ring.extend(tail, self.clock.time())
-        await child.read_output(log.feed)
-        self.post(Adopted(launch.gen, log))
-        for msg in self._early.pop(launch.gen, []):
-            self.post(msg)
-        child.on_exit(lambda returncode: self.post(_exited(launch.gen, child, returncode)))
+        try:
+            tail = await asyncio.to_thread(read_tail, child.log_path, RING_LINES)
+            log.ring.extend(tail, self.clock.time())
+            await child.read_output(log.feed)
+            self.post(Adopted(launch.gen, log))
+            for msg in self._early.pop(launch.gen, []):
+                self.post(msg)
+        finally:  # whatever failed above, its exit reaches the machine
+            child.on_exit(lambda returncode: self.post(_exited(launch.gen, child, returncode)))
 
     def _on_lines(
         self, launch: Launch, lines: list[str], parsed: list[tuple[str, ParsedLine]]
