@@ -42,6 +42,25 @@ open(wall_file, "w").write(f"{wall:.6f} {longest:.6f}")
 """
 
 
+# A steady writer: `rate` bytes a second in 80-byte lines, a write every 10 ms, for `secs`; its
+# longest single write, to a file.
+STEADY = """
+import sys, time
+rate, secs, out_file = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+per_tick = max(1, rate // 100 // 80)
+chunk = (b"y" * 79 + b"\\n") * per_tick
+longest, t0, tick = 0.0, time.perf_counter(), 0
+while time.perf_counter() - t0 < secs:
+    s = time.perf_counter()
+    sys.stdout.buffer.write(chunk)
+    sys.stdout.buffer.flush()
+    longest = max(longest, time.perf_counter() - s)
+    tick += 1
+    time.sleep(max(0.0, t0 + tick * 0.01 - time.perf_counter()))
+open(out_file, "w").write(f"{longest:.6f} {tick * per_tick}")
+"""
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -90,6 +109,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lines", type=int, default=500_000)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--stall-s", type=float, default=30.0, help="the stalled daemon's 1 MB/s run")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -149,6 +169,31 @@ def main() -> None:
             takes.append((time.perf_counter() - t0) * 1000)
             later.sock.close()
         client.request("release", launch_id="idle")
+        # A daemon stopped for --stall-s while the server writes 1 MB/s: the server's client
+        # (the daemon) reads nothing the whole time.
+        steady_file = tmp / "steady"
+        stopped = Client(tmp / "shim")
+        stopped.request(
+            "spawn",
+            launch_id="steady",
+            argv=[
+                sys.executable,
+                "-c",
+                STEADY,
+                str(1_000_000),
+                str(args.stall_s),
+                str(steady_file),
+            ],
+            env=dict(os.environ),
+            log=str(tmp / "logs" / "steady.log"),
+            head="",
+        )
+        while not steady_file.exists():
+            time.sleep(0.2)
+        time.sleep(0.2)
+        steady_longest, steady_lines = steady_file.read_text().split()
+        steady_logged = (tmp / "logs" / "steady.log").read_bytes().count(b"\n")
+        stopped.sock.close()
         proc.kill()
         proc.wait()
     med = statistics.median
@@ -164,6 +209,11 @@ def main() -> None:
     )
     print(f"the server's longest single write through the shim: {max(longest) * 1000:.2f} ms")
     print(f"a later client's connect, hello, list and attach: median {med(takes):.2f} ms")
+    print(
+        f"a daemon that reads nothing for {args.stall_s:g} s while the server writes 1 MB/s: the "
+        f"server's longest single write {float(steady_longest) * 1000:.2f} ms; lines written "
+        f"{int(steady_lines):,}, in the log {steady_logged:,}"
+    )
 
 
 if __name__ == "__main__":

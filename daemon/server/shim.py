@@ -91,7 +91,7 @@ class Shim:
             ready = self.sel.select(timeout=1.0)
             if not ready and self.moved:  # a quiet second after output: give its buffers back
                 self.moved = False
-                _trim()
+                proc.trim_heap()
             for key, mask in ready:
                 what, obj = key.data
                 if what == "accept":
@@ -157,20 +157,41 @@ class Shim:
             self.sel.unregister(client.sock)
         client.sock.close()
 
-    def _send(self, client: Client, frame: bytes, output_of: str | None = None) -> None:
-        """Queue `frame`; output beyond the client's room is dropped for it, and counted."""
+    def _send(self, client: Client, frame: Any, output_of: str | None = None) -> None:
+        """Send `frame` (bytes, or its parts) or queue what the socket does not take now;
+        output beyond the client's room is dropped for it, and counted."""
         if client not in self.clients:
             return
-        if output_of is not None and len(client.out) + len(frame) > CLIENT_BUFFER:
-            client.dropped[output_of] = client.dropped.get(output_of, 0) + len(frame)
+        parts = frame if isinstance(frame, tuple) else (frame,)
+        size = sum(len(p) for p in parts)
+        if output_of is not None and len(client.out) + size > CLIENT_BUFFER:
+            client.dropped[output_of] = client.dropped.get(output_of, 0) + size
             return
-        if len(client.out) + len(frame) > 2 * CLIENT_BUFFER:  # nor replies: it goes
+        if len(client.out) + size > 2 * CLIENT_BUFFER:  # nor replies: it goes
             self._drop_client(client)
             return
-        was_empty = not client.out
-        client.out += frame
-        if was_empty:
-            self._flush(client)
+        if client.out:  # behind already: in order, after what waits
+            for part in parts:
+                client.out += part
+            return
+        try:  # nothing waits: sent as it is, gathered (the output is not copied again)
+            sent = client.sock.sendmsg(parts)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._drop_client(client)
+            return
+        if sent == size:
+            return
+        for part in parts:  # the rest waits for the socket
+            if sent >= len(part):
+                sent -= len(part)
+                continue
+            client.out += memoryview(part)[sent:]
+            sent = 0
+        self.sel.modify(
+            client.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, ("client", client)
+        )
 
     def _flush(self, client: Client) -> None:
         try:
@@ -302,7 +323,7 @@ class Shim:
         self.moved = True
         lines = server.log.feed(data, server.pipes[fd])
         if lines:
-            frame = wire.output_frame(server.launch_id, server.pipes[fd], lines)
+            frame = wire.output_parts(server.launch_id, server.pipes[fd], lines)
             for client in list(server.watchers):
                 self._send(client, frame, output_of=server.launch_id)
 
@@ -315,7 +336,7 @@ class Shim:
         if server.log is not None and not server.log.closed:
             ended = server.log.end_stream(stream)
             if ended:
-                frame = wire.output_frame(server.launch_id, stream, ended)
+                frame = wire.output_parts(server.launch_id, stream, ended)
                 for client in list(server.watchers):
                     self._send(client, frame, output_of=server.launch_id)
         if not server.pipes:
@@ -329,23 +350,6 @@ class Shim:
             self.servers.pop(server.launch_id, None)
             return
         proc.write_record(server, self.dir)
-
-
-def _trim() -> None:
-    """Give the heap's free memory back (glibc): a flood's buffers, and a slow client's, are
-    not kept for the shim's life. Elsewhere, nothing."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            import ctypes  # noqa: PLC0415 - half a MiB, only once output has gone through
-
-            _malloc_trim = ctypes.CDLL(None).malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = lambda pad: 0  # noqa: E731
-    _malloc_trim(0)
-
-
-_malloc_trim: Any = None
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,6 @@
 """The shim's side of one server process (`shim.py` loads this file by its path): its exec,
-its record, its reaping and the exit record written the moment it ends. Standard library only
-and no package imports.
+its record, its reaping and the exit record written the moment it ends; and the shim's heap
+given back after a flood. Standard library only and no package imports.
 """
 
 from __future__ import annotations
@@ -98,3 +98,20 @@ def write_record(server: Server, folder: str) -> None:
         with open(path + ".tmp", "w") as f:
             json.dump(record, f)
         os.replace(path + ".tmp", path)
+
+
+def trim_heap() -> None:
+    """Give the heap's free memory back (glibc): a flood's buffers, and a slow client's, are
+    not kept for the shim's life. Elsewhere, nothing."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes  # noqa: PLC0415 - half a MiB, only once output has gone through
+
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = lambda pad: 0  # noqa: E731
+    _malloc_trim(0)
+
+
+_malloc_trim: Any = None

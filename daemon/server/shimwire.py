@@ -80,9 +80,14 @@ def json_frame(message: dict[str, Any]) -> bytes:
 
 
 def output_frame(launch_id: str, stream: int, data: bytes) -> bytes:
+    return b"".join(output_parts(launch_id, stream, data))
+
+
+def output_parts(launch_id: str, stream: int, data: bytes) -> tuple[bytes, bytes]:
+    """An output frame as its prefix and its data, for a gathered send (no copy of the data)."""
     key = launch_id.encode()
     head = OUT_HEADER.pack(stream, len(key)) + key
-    return HEADER.pack(len(head) + len(data), OUTPUT) + head + data
+    return HEADER.pack(len(head) + len(data), OUTPUT) + head, data
 
 
 class Reader:
