@@ -479,3 +479,28 @@ def test_sighup_executes_the_daemon_again_in_place_and_it_adopts_its_server(
         assert not [r for r in d.records()[mark:] if r.get("event") == "server.shim_lost"]
         d.http.post("/stop").raise_for_status()
         wait_until(lambda: d.status()["state"] == "stopped", 30, "the stop")
+
+
+async def test_a_shim_that_cannot_be_started_again_is_sought_again_meanwhile_the_daemon_runs(
+    tmp_path: Path, fake_gpu: Path
+) -> None:
+    """The shim is lost and its successor cannot start (its log path is taken by a folder):
+    said; the server's next launch waits for it once, then runs under the daemon; the shim is
+    sought again, backing off, and found once it can start."""
+    async with live(tmp_path, fake_gpu, {"k": standin_config()}) as sup:
+        shim_pid = events(sup, "shim_connected")[0]["pid"]
+        await sup.start("k")
+        await sup.wait_for_state(ServerState.READY, timeout=30)
+        shim_log = tmp_path / "state" / "shim" / "shim.log"
+        shim_log.unlink()
+        shim_log.mkdir()  # the next shim cannot open its own log: it ends before it listens
+        os.kill(shim_pid, signal.SIGKILL)
+        await sup.wait_for(lambda s: bool(events(s, "shim_unavailable")), 30)
+        await sup.wait_for(lambda s: len(events(s, "launch")) >= 2, 40)
+        await sup.wait_for_state(ServerState.READY, timeout=30)
+        assert sup.machine.launch is not None and sup.machine.launch.child is not None
+        assert sup.machine.launch.child.survives_daemon is False  # the daemon's own child
+        await sup.wait_for(lambda s: len(events(s, "shim_unavailable")) >= 2, 30)  # again
+        shim_log.rmdir()
+        await sup.wait_for(lambda s: len(events(s, "shim_connected")) >= 2, 60)
+        assert events(sup, "shim_connected")[-1]["again"] is True
