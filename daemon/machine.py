@@ -328,10 +328,11 @@ class Machine:
     # -- the boot: what the previous life left ----------------------------------------------------
 
     def on_boot_began(self, msg: ms.BootBegan) -> None:
-        """The previous life's record is restored at once (`/status` shows it, `booting`); a
-        server that life left running is stopped (the host's `stop_previous`), then the saved
-        intent starts, read and preflighted like any start (the host's `boot_start`), each
-        step decided by the boot's own sub-machine (`booting.py`)."""
+        """The previous life's record is restored at once (`/status` shows it, `booting`). Its
+        server, verified under the shim and serving what is asked, is adopted (`_adopt`);
+        otherwise a server that life left running is stopped (the host's `stop_previous`),
+        then the saved intent starts, read and preflighted like any start (the host's
+        `boot_start`), each step decided by the boot's own sub-machine (`booting.py`)."""
         self.ledger.secret_salt = msg.secret_salt
         if msg.note:
             self.event("state_file_corrupt", detail=msg.note)
