@@ -41,7 +41,7 @@ SHIM_RETRY_MAX_S = 30.0
 SHIM_FALLBACK = "servers are started by the daemon itself: they do not outlive it"
 SHIM_LOST = (
     "its servers' output and exits had no other way to the daemon: they are ended and started "
-    "again under a new shim, started now"
+    "again under a new shim, sought at once"
 )
 
 if TYPE_CHECKING:
@@ -104,6 +104,7 @@ class Host:
         self._settled: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.shim: ShimClient | None = None  # with live_restore: the servers' parent
         self._restarting: asyncio.Task[None] | None = None  # a lost shim's successor, starting
+        self._retry: asyncio.Task[None] | None = None  # then sought again, backing off
         self._closing = False
 
     async def start_shim(self) -> None:
@@ -125,10 +126,12 @@ class Host:
             else:
                 shim, started = await shimstart.connect_or_start(folder)
         except Exception as exc:  # OSError, ConnectionError: said, and the daemon runs them
-            self._event("shim_unavailable", error=str(exc), detail=SHIM_FALLBACK)
+            if delay_s < SHIM_RETRY_MAX_S:  # said while backing off, not every 30 s for ever
+                self._event("shim_unavailable", error=str(exc), detail=SHIM_FALLBACK)
             if again and not self._closing:  # (a shim refused at the start is not sought again)
+                # A launch waits for the first try only (`_shim`): not for these.
                 later = min(max(2 * delay_s, 1.0), SHIM_RETRY_MAX_S)
-                self._restarting = self.tasks.task(self._connect_shim(True, later), name="shim")
+                self._retry = self.tasks.task(self._connect_shim(True, later), name="shim")
             return
         self.shim = shim
         shim.lost.add_done_callback(self._shim_lost)
@@ -156,8 +159,9 @@ class Host:
 
     async def close(self) -> None:
         self._closing = True
-        if self._restarting is not None:
-            self._restarting.cancel()
+        for task in (self._restarting, self._retry):
+            if task is not None:
+                task.cancel()
         if self.shim is not None:
             self.shim.close()  # the shim and its servers run on: a later life takes them
         await self.records.close()

@@ -113,7 +113,8 @@ class Launching:
         """The shim was lost and is being started again: the launch is executed once it is up
         (or, if it cannot be had, by the daemon itself, as that was said)."""
         await asyncio.wait([shim], timeout=SHIM_RESTART_WAIT_S)
-        self.spawn(launch, wait=False)
+        if not shim.cancelled():  # (cancelled: the daemon is closing, nothing is to start)
+            self.spawn(launch, wait=False)
 
     def _header(self, launch: Launch) -> list[str]:
         header = [f"gpuwarden launch {launch.launch_id} at {utc_iso(self.clock.time())}"]
