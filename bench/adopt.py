@@ -25,6 +25,9 @@ from typing import Any
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from restart import end_shims
+
 
 class Daemon:
     """`gpuwarden serve`, its JSON records read as they come, each stamped on arrival."""
@@ -89,21 +92,6 @@ def settings_file(root: Path, live: bool) -> Path:
     path = root / "settings.yaml"
     path.write_text(yaml.safe_dump(settings))
     return path
-
-
-def end_shims(root: Path) -> None:
-    folder = str(root / "state" / "shim")
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if folder.encode() in cmd and any(c.endswith(b"shim.py") for c in cmd):
-                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-                for child in children:
-                    with contextlib.suppress(OSError):
-                        os.killpg(int(child), signal.SIGKILL)
-                os.kill(int(pid), signal.SIGKILL)
 
 
 def main() -> None:

@@ -200,11 +200,15 @@ def started(
 
 
 def end_shims(root: Path) -> None:
-    """The shims a `live_restore` run started outlive its daemon by design: ended here."""
+    """The shims a `live_restore` run started outlive its daemon by design: ended here, with
+    the process groups their servers lead."""
     for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
         with contextlib.suppress(OSError):
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             if b"shim.py" in cmdline and str(root).encode() in cmdline:
+                for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+                    with contextlib.suppress(OSError):
+                        os.killpg(int(child), signal.SIGKILL)
                 os.kill(pid, signal.SIGKILL)
 
 

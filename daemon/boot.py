@@ -182,12 +182,10 @@ async def _attach(
     except (ConnectionError, ShimError) as exc:
         return None, _unmanaged(pid, f"the shim did not hand it over: {exc}")
     server.create_time = _float(record.get("create_time")) or 0.0
-    running = bool(view.get("running"))
-    exited_at = None if running else _float(view.get("exited_at"))
-    code = view.get("returncode") if not running else None
+    # Its exit while the daemon was away, if so: the time here, the code through the handle.
+    exited_at = None if view.get("running") else _float(view.get("exited_at"))
     back = await reading.quietly(configs, rollback, config)
-    code = code if isinstance(code, int) else None
-    return Adoptee(record, server, config, exited_at, code, back), None
+    return Adoptee(record, server, config, exited_at, back), None
 
 
 def _float(value: Any) -> float | None:

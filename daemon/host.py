@@ -36,7 +36,6 @@ from .settings import Settings
 from .store import EventLog, StateStore
 from .tasks import Tasks
 
-EXTERNAL_WAIT_S = shimstart.EXTERNAL_WAIT_S
 SHIM_RETRY_MAX_S = 30.0
 SHIM_FALLBACK = "servers are started by the daemon itself: they do not outlive it"
 SHIM_LOST = (
@@ -122,7 +121,7 @@ class Host:
         unit = os.environ.get(shimstart.EXTERNAL_ENV)
         try:
             if unit:  # its own unit runs it (and starts it again): never one of ours
-                shim, started = await shimstart.connect_external(folder, EXTERNAL_WAIT_S), None
+                shim, started = await shimstart.connect_external(folder), None
             else:
                 shim, started = await shimstart.connect_or_start(folder)
         except Exception as exc:  # OSError, ConnectionError: said, and the daemon runs them

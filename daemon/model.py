@@ -80,14 +80,13 @@ class PreviousServer:
 class Adoptee:
     """The server the previous life recorded as running, verified as that very server (pid,
     create time, boot, argv, token) under the shim, which this life takes over as it is
-    (live restore). `returncode` and `exited_at`: the shim's record of an exit while the
-    daemon was away (None: it runs)."""
+    (live restore). `exited_at`: when it ended while the daemon was away, by the shim's
+    record (None: it runs; its code comes through `server`, as any exit's)."""
 
     record: dict[str, Any]  # state.json's `current_launch`
     server: ServerHandle
     config: ResolvedConfig  # its config as it reads now (`config_changed`: not as launched)
     exited_at: float | None = None
-    returncode: int | None = None
     rollback: ResolvedConfig | None = None  # what a swap resumed with it rolls back to
 
     @property

@@ -143,6 +143,18 @@ def saved_ready(root: Path) -> bool:
     return bool((data.get("current_launch") or {}).get("ready_at"))
 
 
+def killed_when_ready(
+    procs: list[Proc], root: Path, fake_gpu: Path, cfg: dict[str, Any]
+) -> tuple[int, Path]:
+    """A live_restore daemon brought to ready, then SIGKILLed: its server's pid and log."""
+    first = live_daemon(procs, root, fake_gpu, cfg)
+    first.wait_state("ready", timeout=60)
+    status = first.status()
+    first.proc.signal(signal.SIGKILL)
+    first.proc.popen.wait(10)
+    return status["pid"], Path(status["log_file"])
+
+
 def live_daemon(procs: list[Proc], root: Path, fake_gpu: Path, cfg: dict[str, Any]) -> Daemon:
     return start_daemon(procs, root, fake_gpu, {"k": cfg}, default="k", live_restore=True)
 
@@ -191,19 +203,14 @@ def test_a_server_that_exits_while_the_daemon_is_down_has_its_code_on_record(
         "health": {"startup_timeout_s": 30, "interval_s": 0.2, "timeout_s": 2, "failures": 3},
     }
     with shims_ended(tmp_path / "state", procs):
-        first = live_daemon(procs, tmp_path, fake_gpu, cfg)
-        first.wait_state("ready", timeout=60)
-        status = first.status()
-        pid, log = status["pid"], Path(status["log_file"])
-        first.proc.signal(signal.SIGKILL)
-        first.proc.popen.wait(10)
+        pid, log = killed_when_ready(procs, tmp_path, fake_gpu, cfg)
         os.kill(pid, signal.SIGUSR1)  # its last line, then exit 3, while nobody watches
         wait_until(lambda: not alive(pid), 10, "the server to end")
         ended = time.time()
         second = live_daemon(procs, tmp_path, fake_gpu, cfg)
         exit_ = second.wait_event("server.exit", timeout=20)
         assert (exit_["code"], exit_["reason"]) == (3, "crash"), exit_
-        assert exit_["launch_id"] == status["launch_id"]
+        assert exit_["launch_id"] == log.stem  # (logs/<config>/<launch id>.log)
         record = second.status()["last_exit"]
         at = datetime.fromisoformat(record["at"].replace("Z", "+00:00")).timestamp()
         assert at <= ended + 0.01  # when it ended, not when this life saw it
@@ -258,11 +265,7 @@ def test_a_server_the_shim_runs_that_state_json_does_not_name_is_unmanaged(
     server it cannot verify as its own, lists it and leaves it running."""
     cfg = standin_config()
     with shims_ended(tmp_path / "state", procs):
-        first = live_daemon(procs, tmp_path, fake_gpu, cfg)
-        first.wait_state("ready", timeout=60)
-        pid = first.status()["pid"]
-        first.proc.signal(signal.SIGKILL)
-        first.proc.popen.wait(10)
+        pid, _ = killed_when_ready(procs, tmp_path, fake_gpu, cfg)
         (tmp_path / "state" / "state.json").unlink()
         cfg["health"]["startup_timeout_s"] = 5  # (its own start finds the port taken)
         second = start_daemon(procs, tmp_path, fake_gpu, {"k": cfg}, live_restore=True)
@@ -324,12 +327,7 @@ def test_a_server_flooding_while_the_daemon_is_down_loses_no_line(
     lines = 300_000  # 6 MB
     cfg = flood_config(lines)
     with shims_ended(tmp_path / "state", procs):
-        first = live_daemon(procs, tmp_path, fake_gpu, cfg)
-        first.wait_state("ready", timeout=60)
-        status = first.status()
-        pid, log = status["pid"], Path(status["log_file"])
-        first.proc.signal(signal.SIGKILL)
-        first.proc.popen.wait(10)
+        pid, log = killed_when_ready(procs, tmp_path, fake_gpu, cfg)
         os.kill(pid, signal.SIGUSR2)
         wait_until(lambda: "flood done" in log.read_text(), 60, "the flood to be written")
         second = live_daemon(procs, tmp_path, fake_gpu, cfg)

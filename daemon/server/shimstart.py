@@ -76,7 +76,7 @@ def environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "TZ")}
 
 
-async def connect_external(folder: Path, wait_s: float) -> ShimClient:
+async def connect_external(folder: Path, wait_s: float = EXTERNAL_WAIT_S) -> ShimClient:
     """The shim of `folder`, started by another (its own systemd unit): connected, waiting up to
     `wait_s` for it to listen. Never started here."""
     deadline = asyncio.get_running_loop().time() + wait_s

@@ -161,7 +161,7 @@ class World:
         }
         away = None if exited is None else self.clock.time() - 5
         child = FakeChild(self.pids, self.pids, 1.5, survives_daemon=True)
-        adoptee = Adoptee(current, child, self.cfg(name), away, exited)
+        adoptee = Adoptee(current, child, self.cfg(name), away)
         self.send(BootBegan(saved, None, None, adoptee=adoptee))
         if self.m.launch is not None and self.m.launch.child is child:
             self.send(Adopted(self.launch.gen, FakeLog(self.root / "L3.log")))
