@@ -8,7 +8,9 @@ rollback), `Booting` (`booting.py`, the daemon's start under way), `Attempts` (`
 a launch's steps and its record), `Evidence` (`evidence.py`, what the running launch's
 signals say), `Retries` (`policy.py`, the failures in a row and what follows one) and a
 `Ledger` (`ledger.py`, the records that decide nothing). What it decides leaves through the
-host (`host.py`), whose tasks post outcomes back; sites say `# FROM -> TO`.
+host (`host.py`), whose tasks post outcomes back; sites say `# FROM -> TO`. Some of its
+decisions are written in modules of their own: the commands (`commands.py`), the daemon's
+start (`restoring.py`) and recovery from failures (`recovery.py`).
 
 A crash, read top to bottom: `ServerExited` (`# READY -> STOPPING`, host.sweep) → `SweepFinished`
 (classify, record, the restart policy: `# STOPPING -> BACKOFF`, host.retry_after) →
@@ -20,17 +22,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, assert_never
 
-from . import errors, saved
+from . import commands, recovery, restoring
 from . import messages as ms
 from .attempt import Attempts
 from .booting import Booting
 from .effects import Effects
-from .errors import CommandError
 from .evidence import Dead, Evidence, NotLive, Ready, Signal
 from .ledger import Ledger
-from .model import Adoptee, Intent, Launch, Next, utc_iso, utc_stamp
+from .model import Intent, Launch, Next, utc_iso, utc_stamp
 from .policy import Classification, Retries
-from .states import LIVE_STATES, RUNNING_STATES, SERVING_STATES, ServerState, check_transition
+from .states import RUNNING_STATES, SERVING_STATES, ServerState, check_transition
 from .swaps import Swaps
 
 if TYPE_CHECKING:
@@ -39,9 +40,6 @@ if TYPE_CHECKING:
     from .clock import Clock
     from .resolvedconfig import ResolvedConfig
     from .settings import Settings
-
-
-LEFT_RUNNING = "live_restore: the server runs on under the shim; the daemon's next start adopts it"
 
 
 class Machine:
@@ -80,7 +78,7 @@ class Machine:
             case ms.Spawned():
                 self.on_spawned(msg)
             case ms.Adopted():
-                self.on_adopted(msg)
+                restoring.on_adopted(self, msg)
             case ms.SpawnFailed():
                 self.on_spawn_failed(msg)
             # What the running launch signals: noted by the ledger, judged by its evidence.
@@ -102,18 +100,18 @@ class Machine:
             case ms.ProbationOver():
                 launch = self.current(msg.gen)
                 if launch and launch.on_probation and self.state == ServerState.READY:
-                    self._probation_passed(launch, probation_s=self.settings.restart.probation_s)
+                    self.probation_passed(launch, probation_s=self.settings.restart.probation_s)
             case ms.TaskFailed():
-                self.on_task_failed(msg)
+                recovery.on_task_failed(self, msg)
             # The commands.
             case ms.StartRequested():
-                return self.start(msg)
+                return commands.start(self, msg)
             case ms.StopRequested():
-                return self.stop(msg)
+                return commands.stop(self, msg)
             case ms.RestartRequested():
-                return self.restart(msg)
+                return commands.restart(self, msg)
             case ms.ShutdownRequested():
-                return self.shutdown(msg)
+                return commands.shutdown(self, msg)
             case ms.SweepBegan():
                 self.intent.sweep, self.intent.sweep_restore_to = msg.sweep_id, msg.restore_to
                 self.persist()  # on record: a later life ends it (sweep_interrupted)
@@ -123,10 +121,10 @@ class Machine:
                     self.persist()
             # The boot.
             case ms.BootBegan():
-                self.on_boot_began(msg)
+                restoring.on_boot_began(self, msg)
             case ms.PreviousServerStopped():
                 self.booting.previous_stopped(msg)
-                self._boot_go_on(msg.previous.launch_id if msg.previous.alive else "")
+                restoring.boot_go_on(self, msg.previous.launch_id if msg.previous.alive else "")
             # Records that decide nothing, and the state file's writes.
             case ms.ServerFiguresRead() | ms.OrphansKilled() | ms.WriteHealthChanged():
                 self.ledger.note(msg, self.launch)
@@ -143,133 +141,6 @@ class Machine:
             case _:
                 assert_never(msg)
         return None
-
-    # -- the commands: each refuses (`CommandError`, by kind) or acts, and answers ------------
-    # "Stop wins": a stop refuses whatever was asked before it and is still on its way.
-
-    def _cancelled_by_stop(self, ticket: int, what: str) -> None:
-        if ticket and ticket < self.stop_ticket:
-            raise CommandError(
-                errors.CONFLICT, f"a stop was requested after this {what}; it was not carried out"
-            )
-
-    def start(self, msg: ms.StartRequested) -> dict[str, Any]:
-        if msg.boot:
-            self.booting.start_arrived(msg.config)
-        else:
-            self.booting.refuse_while_stopping("start")
-        self._cancelled_by_stop(msg.ticket, "start")
-        if not msg.boot:  # a boot resumes an interrupted swap as that swap
-            self.swaps.refuse_if_under_way(self.intent.sweep)
-        if self.state in (ServerState.WAITING_GPU, *RUNNING_STATES):
-            raise CommandError(
-                errors.CONFLICT,
-                f"a server is already {self.state} (config {self.current_config()}); "
-                "use restart to swap",
-            )
-        self.booting.replaced()  # a start carried out (or refused by its preflight, below)
-        pre = msg.preflight
-        if pre is not None and not pre.ok:
-            detail = "; ".join(pre.problems) or "preflight failed"
-            self.refuse(msg.config, detail)
-            raise CommandError(
-                errors.PREFLIGHT_REFUSED,
-                detail,
-                extra={"problems": pre.problems, "warnings": pre.warnings},
-            )
-        cfg = msg.resolved
-        if cfg is None:  # the facade reads it first; one that did not read comes refused above
-            raise CommandError(errors.INVALID_CONFIG, f"config {msg.config!r} was not read")
-        rollback = msg.boot and self.swaps.resumed_read(msg.last_good, self.intent.last_good_config)
-        self.host.cancel_retry()
-        self.retries.reset()
-        self.set_intent(cfg.name, True)
-        self.begin_attempt(cfg, rollback=rollback)
-        return {"accepted": True, "config": cfg.name, "state": str(self.state)}
-
-    def stop(self, msg: ms.StopRequested) -> dict[str, Any]:
-        # Stop wins: whatever was asked before it and is still on its way (a preflight that
-        # finishes later) is refused when it arrives.
-        self.stop_ticket = max(self.stop_ticket, msg.ticket)
-        self.set_intent(self.intent.config, False)
-        # A boot under way starts nothing (the previous life's server still goes).
-        self.booting.stop()
-        if self.swaps.active() is not None:
-            self.swaps.settle(
-                "failed", "requested_stop", "stopped on request during the swap", self.intent.config
-            )
-        launch = self.launch
-        if self.state in (ServerState.FAILED, ServerState.BACKOFF) or (
-            self.state == ServerState.WAITING_GPU and (launch is None or not launch.spawning)
-        ):
-            self._cancel_waits()
-            # FAILED|BACKOFF|WAITING_GPU -> STOPPED
-            self.transition(ServerState.STOPPED, reason="requested_stop")
-        elif self.state != ServerState.STOPPED and launch is not None:
-            self.begin_stop(launch, Next.STOP)
-        # The grace a waiting client bounds its wait by (SIGTERM, then SIGKILL after it).
-        return {"accepted": True, "state": str(self.state), "grace_s": self.settings.stop.grace_s}
-
-    def restart(self, msg: ms.RestartRequested) -> dict[str, Any]:
-        self.booting.refuse_while_stopping("restart")
-        self._cancelled_by_stop(msg.ticket, "restart")
-        self.swaps.refuse_if_under_way(self.intent.sweep, msg.sweep_id)
-        cfg = msg.resolved
-        if cfg is None:
-            raise CommandError(errors.INVALID_CONFIG, f"config {msg.config!r} was not read")
-        self.booting.replaced()
-        current = self.current_config()
-        serving = self.serving()
-        if msg.ensure and serving and self.state == ServerState.READY and current == cfg.name:
-            return {"accepted": True, "config": current, "state": str(self.state), "swap_id": None}
-        if serving is not None and serving.on_probation:
-            # A swap away from a config on probation: its probation counts as passed, and it is
-            # what this swap rolls back to (it was serving, not the older last-good).
-            self._probation_passed(serving, detail="a swap began while it served")
-        swap_id = f"swap-{self.launch_seq + 1}-{int(self.clock.time())}"
-        last_good = (self.intent.last_good_config, msg.last_good)
-        swap = self.swaps.begin(swap_id, cfg, current, serving, last_good)
-        self.retries.reset()
-        self.set_intent(cfg.name, True)
-        launch = self.launch
-        if (
-            self.state in (*RUNNING_STATES, ServerState.WAITING_GPU)
-            and launch is not None
-            and (self.state != ServerState.WAITING_GPU or launch.spawning)
-        ):
-            self.begin_stop(launch, Next.RELAUNCH, next_config=cfg)
-        else:
-            self._cancel_waits()
-            self.begin_attempt(cfg)
-        return {"accepted": True, "config": cfg.name, "state": str(self.state), "swap_id": swap.id}
-
-    def shutdown(self, msg: ms.ShutdownRequested) -> None:
-        if self.booting.shutdown_waits():  # the daemon ends once the previous server is stopped
-            return
-        launch = self.launch
-        child = launch.child if launch is not None and launch.running else None
-        if child is not None and child.survives_daemon and self.state in LIVE_STATES:
-            # Live restore: it runs on under the shim, and the next life adopts it.
-            self.event("server_left_running", pid=child.pid, detail=LEFT_RUNNING)
-            self.finished = True
-            self.persist()
-            return
-        if launch is not None and (self.state in RUNNING_STATES or launch.spawning):
-            self.begin_stop(launch, Next.SHUTDOWN)
-            return
-        self._cancel_waits()
-        self.finished = True
-        self.persist()
-
-    def refuse(self, name: str | None, detail: str) -> None:
-        """A start whose preflight failed (or whose config no longer reads): `failed`."""
-        self.intent.config, self.intent.running = name, True
-        self.ledger.note_exit("preflight_refused", detail)
-        self.event("preflight_refused", config=name, detail=detail)
-        if self.state != ServerState.FAILED:
-            # STOPPED|BACKOFF -> FAILED
-            self.transition(ServerState.FAILED, reason="preflight_refused")
-        self.persist()
 
     # -- the one writer of the state, and what it reads --------------------------------------
 
@@ -298,7 +169,7 @@ class Machine:
         launch = self.launch
         return launch if launch is not None and launch.gen == gen else None
 
-    def _cancel_waits(self) -> None:
+    def cancel_waits(self) -> None:
         self.host.cancel_retry()
         self.host.cancel_gpu_wait()
 
@@ -319,93 +190,11 @@ class Machine:
             return None
         return launch if self.state in SERVING_STATES else None
 
-    def _probation_passed(self, launch: Launch, **fields: Any) -> None:
+    def probation_passed(self, launch: Launch, **fields: Any) -> None:
         launch.on_probation = False
         if self.intent.good(launch):
             self.event("probation_passed", **fields)
             self.persist()
-
-    # -- the boot: what the previous life left ----------------------------------------------------
-
-    def on_boot_began(self, msg: ms.BootBegan) -> None:
-        """The previous life's record is restored at once (`/status` shows it, `booting`). Its
-        server, verified under the shim and serving what is asked, is adopted (`_adopt`);
-        otherwise a server that life left running is stopped (the host's `stop_previous`),
-        then the saved intent starts, read and preflighted like any start (the host's
-        `boot_start`), each step decided by the boot's own sub-machine (`booting.py`)."""
-        self.ledger.secret_salt = msg.secret_salt
-        if msg.note:
-            self.event("state_file_corrupt", detail=msg.note)
-        known = msg.alive_known
-        plan = saved.plan_boot(
-            msg.record, lambda pid, ct: (pid, ct) in known, self.settings.default_config
-        )
-        for kind, fields in plan.notes:
-            self.event(kind, **fields)
-        r = plan.restored
-        self.intent, self.launch_seq = r.intent, r.launch_seq
-        self.retries.reset(r.failures)
-        self.ledger.restore(r.history, r.last_exit, r.known_ours)
-        rollback = None
-        if plan.swap is not None:
-            self.swaps.resume(plan.swap, plan.swap_phase)
-            rollback = plan.swap.rollback_name or self.intent.last_good_config
-        self.persist()  # the previous life's record, brought up to date, is saved now
-        self.ledger.note_unmanaged(msg.unmanaged)
-        adoptee, prev = msg.adoptee, msg.previous
-        stopping = adoptee is not None and bool(adoptee.record.get("stopping"))
-        if adoptee is not None and adoptee.config.name == plan.config and not stopping:
-            adopted = self._adopt(adoptee)  # it serves what is asked: supervised as it runs
-            self.booting.begin(None, None, None)
-            self._boot_go_on("", adopted)
-            return
-        if adoptee is not None:  # not what is asked to run, or being stopped: stopped, as ever
-            prev = adoptee.previous()
-        # The previous server's record, kept in state.json until it is stopped.
-        previous = msg.record.get("current_launch") if prev is not None else None
-        if self.booting.begin(plan.config, rollback, prev, previous):
-            self._boot_go_on("")  # nothing of that life runs
-
-    def _adopt(self, adoptee: Adoptee) -> str:
-        """The previous life's server, verified under the shim, taken over in the state it was
-        in (no signal sent to it): ready stays ready, starting goes on starting. A swap under
-        way for it goes on. Its log, probes and timers follow with `Adopted`."""
-        self.gen += 1
-        swap = self.swaps.active()
-        rollback = swap is not None and self.swaps.resumed_read(
-            adoptee.rollback, self.intent.last_good_config
-        )
-        self.launch = launch = Launch(self.gen, adoptee.config, swap=swap, rollback=rollback)
-        self.attempts.adopt(launch, adoptee)
-        if swap is not None:
-            self.swaps.spawned(swap, launch.launch_id)
-        state = ServerState.STARTING if launch.ready_at is None else ServerState.READY
-        # STOPPED -> STARTING|READY
-        self.transition(state, reason="adopted", pid=adoptee.server.pid)
-        self.host.adopt(launch)
-        return launch.launch_id
-
-    def on_adopted(self, msg: ms.Adopted) -> None:
-        launch = self.current(msg.gen)
-        if launch is None:
-            return
-        self.attempts.adopted(launch, msg.log)
-        if launch.exited_at is not None:
-            return  # it ended while the daemon was away: its exit comes next
-        if self.state == ServerState.READY:
-            self._ready_settles(launch)
-        elif self.state == ServerState.STARTING:
-            self.attempts.watch_adopted(launch)
-
-    def _boot_go_on(self, stopped_id: str, adopted_id: str = "") -> None:
-        """Nothing of the previous life runs any more: its launches get their exit records,
-        and the boot goes on to its start (or the daemon ends: a shutdown asked meanwhile)."""
-        if not self.booting.active:
-            return
-        self.ledger.close_unobserved(stopped_id, adopted_id)
-        if self.booting.go_on():
-            self.finished = True
-        self.persist()
 
     # -- a launch's way up: the GPU wait, the exec, its signals, ready -------------------------
 
@@ -427,7 +216,7 @@ class Machine:
         if not msg.ok:
             timeout = self.settings.gpu.release_timeout_s
             busy = f"GPUs still busy after {timeout:g} s: {msg.busy}"
-            self._fail(launch, Classification("gpu_busy", busy))
+            self.fail(launch, Classification("gpu_busy", busy))
             return
         self.launch_seq += 1
         self.attempts.execute(launch, f"{utc_stamp(self.clock.time())}-{self.launch_seq:06d}")
@@ -442,7 +231,7 @@ class Machine:
             self.ledger.record_exit(launch, verdict)
             self._after_stop(launch, verdict, recorded=True)
         else:
-            self._fail(launch, verdict)
+            self.fail(launch, verdict)
 
     def on_spawned(self, msg: ms.Spawned) -> None:
         launch = self.current(msg.gen)
@@ -474,7 +263,7 @@ class Machine:
                 if unhealthy is not None:  # READY -> UNHEALTHY
                     self.transition(ServerState.UNHEALTHY, detail=unhealthy)
                 # STARTING|READY|UNHEALTHY -> STOPPING
-                self._end_for_retry(launch, reason, evidence)
+                self.end_for_retry(launch, reason, evidence)
             case Dead(line=line):
                 self.attempts.dead(launch, line)
                 if self.state != ServerState.STOPPING:  # STARTING|READY|UNHEALTHY -> STOPPING
@@ -487,9 +276,9 @@ class Machine:
         took = self.attempts.ready(launch)
         # STARTING -> READY
         self.transition(ServerState.READY, via=how, time_to_ready_s=round(took, 3))
-        self._ready_settles(launch)
+        self.ready_settles(launch)
 
-    def _ready_settles(self, launch: Launch) -> None:
+    def ready_settles(self, launch: Launch) -> None:
         """Ready (or adopted ready): its swap settles, and its probation begins (a swapped-in
         config becomes last-good only once it has stayed up); then it is watched as ready."""
         probation = self.settings.restart.probation_s
@@ -517,7 +306,7 @@ class Machine:
             self.transition(ServerState.STOPPING, next=str(nxt), reason=reason)
         self.attempts.stop(launch, nxt, next_config, imposed, under_way)
 
-    def _end_for_retry(self, launch: Launch, reason: str, evidence: str) -> None:
+    def end_for_retry(self, launch: Launch, reason: str, evidence: str) -> None:
         """We end this launch (it is not ready in time, not live, or lost a rank): stop it, and
         let the restart policy (or a swap's rollback) decide what follows."""
         self.begin_stop(launch, Next.RETRY, imposed=Classification(reason, evidence))
@@ -543,7 +332,7 @@ class Machine:
         """The launch is gone (swept, or never executed): what it was stopped for follows."""
         nxt = launch.next
         if nxt is None or nxt == Next.RETRY:
-            self._fail(launch, verdict, recorded=recorded)
+            self.fail(launch, verdict, recorded=recorded)
         elif nxt == Next.STOP:
             self.transition(ServerState.STOPPED, reason=verdict.reason)  # STOPPING -> STOPPED
         elif nxt == Next.RELAUNCH:
@@ -556,7 +345,7 @@ class Machine:
             self.finished = True
         self.persist()
 
-    def _fail(self, launch: Launch, verdict: Classification, recorded: bool = False) -> None:
+    def fail(self, launch: Launch, verdict: Classification, recorded: bool = False) -> None:
         if not recorded:
             self.ledger.record_exit(launch, verdict)
         self.ledger.count_exit(verdict.reason)
@@ -604,54 +393,7 @@ class Machine:
         ran = launch if launch.config.name == self.intent.config else None
         resolved = self.retries.retried_config(msg, ran)
         if resolved is None:
-            self.refuse(self.intent.config, msg.error or "the config does not load")
+            commands.refuse(self, self.intent.config, msg.error or "the config does not load")
             return
         self.retries.restarted()
         self.begin_attempt(resolved)  # BACKOFF -> WAITING_GPU
-
-    # -- recovery: a helper task that raised, a message whose handling raised -------------------
-
-    def on_task_failed(self, msg: ms.TaskFailed) -> None:
-        """A helper task raised (descriptors exhausted, /proc unreadable, a bug): record it,
-        then recover as if it had reported failure, so the machine never waits for a message
-        that will not come."""
-        self.ledger.internal_errors += 1
-        self.event("internal_error", task=msg.name, error=msg.error)
-        launch = self.current(msg.gen)
-        evidence = f"the {msg.name} task failed: {msg.error}"
-        match msg.name:
-            case "after_exit":  # the exit is handled unswept (the next GPU wait kills leftovers)
-                if launch is not None and launch.exited:
-                    self.on_sweep_finished(ms.SweepFinished(msg.gen, []))
-            case "spawn":  # no process came of it
-                self.on_spawn_failed(ms.SpawnFailed(msg.gen, "internal_error", evidence))
-            case "retry":  # its config read is lost: as a config that did not read
-                self.on_backoff_elapsed(ms.BackoffElapsed(msg.gen, None, evidence))
-            case "wait_for_gpus":  # retried
-                if launch and self.state == ServerState.WAITING_GPU and not launch.spawning:
-                    self._fail(launch, Classification("internal_error", evidence))
-            case "stop_previous":  # as stopped: the GPU wait kills what holds GPUs
-                self._boot_go_on("")
-            case "boot_start":
-                if not self.booting.active:
-                    return  # a command asked during the boot replaced its start
-                self.booting.start_failed()
-                if self.state == ServerState.STOPPED:
-                    self.ledger.note_exit("internal_error", evidence)
-                    # STOPPED -> FAILED
-                    self.transition(ServerState.FAILED, reason="internal_error", detail=evidence)
-            case _ if launch is not None and launch.running and self.state in LIVE_STATES:
-                # A probe loop or timer of this launch is gone: nothing would notice a hang or
-                # a timeout any more, so end it and let the restart policy start it afresh.
-                self._end_for_retry(launch, "internal_error", evidence)
-
-    def recover(self, message: str, exc: Exception) -> None:
-        """An internal message whose handling raised (a bug): say so, and where the launch has
-        already exited, go to failed rather than wait in stopping for ever."""
-        self.ledger.internal_errors += 1
-        evidence = f"handling {message} failed: {type(exc).__name__}: {exc}"
-        self.event("internal_error", message=message, error=evidence)
-        launch = self.launch
-        if self.state == ServerState.STOPPING and (launch is None or launch.exited):
-            # STOPPING -> FAILED
-            self.transition(ServerState.FAILED, reason="internal_error", detail=evidence)

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from gpuwarden.daemon import logsetup
 
-from . import errors, reading, saved, views
+from . import errors, reading, recovery, saved, views
 from . import messages as msgs
 from .clock import Clock, SystemClock
 from .configs import ConfigStore
@@ -141,7 +141,7 @@ class Supervisor:
                 reply.set_exception(exc)
             else:
                 with contextlib.suppress(Exception):
-                    self.machine.recover(type(msg).__name__, exc)
+                    recovery.recover(self.machine, type(msg).__name__, exc)
             return
         if isinstance(msg, ShutdownRequested):
             if reply is not None:

@@ -1,5 +1,6 @@
-"""The tests' own layout: no test module imports another one. What several files share lives
-in tests/support/ (helpers) and tests/conftest.py (fixtures); see tests/README.md."""
+"""The layout: no test module imports another one, and no product module grows past 400
+lines. What several test files share lives in tests/support/ (helpers) and tests/conftest.py
+(fixtures); see tests/README.md."""
 
 from __future__ import annotations
 
@@ -78,3 +79,19 @@ def test_no_test_module_imports_another() -> None:
         "a test module imports another test module; move what is shared into tests/support/ "
         "(helpers) or tests/conftest.py (fixtures):\n" + "\n".join(offenders)
     )
+
+
+MODULE_LINE_LIMIT = 400
+
+
+def test_every_product_module_stays_under_the_line_limit() -> None:
+    """Each module of the product (daemon/, api/, standin/) stays readable in one sitting: a
+    module that outgrows the limit is split by what it decides, not trimmed."""
+    root = TESTS.parent
+    too_long = [
+        f"{path.relative_to(root)}: {count} lines"
+        for folder in ("daemon", "api", "standin")
+        for path in sorted((root / folder).rglob("*.py"))
+        if (count := len(path.read_text().splitlines())) >= MODULE_LINE_LIMIT
+    ]
+    assert not too_long, f"modules at or over {MODULE_LINE_LIMIT} lines:\n" + "\n".join(too_long)

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from gpuwarden.daemon import recovery as machine_recovery
 from gpuwarden.daemon import saved
 from gpuwarden.daemon.errors import CommandError
-from gpuwarden.daemon.machine import Machine
 from gpuwarden.daemon.messages import (
     BackoffElapsed,
     BootBegan,
@@ -319,7 +319,7 @@ def test_the_tasks_the_machine_recovers_from_are_the_hosts_own() -> None:
 
     from gpuwarden.daemon import host  # noqa: PLC0415
 
-    recovery = inspect.getsource(Machine.on_task_failed)
+    recovery = inspect.getsource(machine_recovery.on_task_failed)
     looked_for = set(re.findall(r'case "([a-z_]+)":', recovery))
     assert looked_for, "the machine recovers from no named task"
 
