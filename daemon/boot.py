@@ -1,6 +1,6 @@
 """The daemon's start, on the world's side: what its previous life left (state.json, a server
 still running) read off the owner and handed to the machine as one message (`BootBegan`);
-the machine decides (`machine.py`, `on_boot_began`) and asks for the rest: that server
+the machine decides (`restoring.py`, `on_boot_began`) and asks for the rest: that server
 stopped (`stop_previous`), then the saved intent read and preflighted like any start
 (`boot_start`). Commands that arrive meanwhile are handled in order with these.
 
