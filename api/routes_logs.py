@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from gpuwarden.daemon.supervisor import Supervisor
 
 router = APIRouter(tags=["logs"])
 log = logsetup.get_logger("gpuwarden.api")
+RESTORE_WAIT_S = 30.0  # an earlier launch asked for while the daemon boots waits this long
 BATCH_LINES = 256  # lines per send to a stream client: one write of at most a few hundred KiB
 SEP = "\r\n"  # sse-starlette's separator
 
@@ -39,7 +41,12 @@ class LogTail(BaseModel):
 
 
 async def _launch_record(supervisor: Supervisor, launch: str | None) -> dict[str, Any] | None:
-    """None: the current launch. 'previous': the one before it. Else by id."""
+    """None: the current launch. 'previous': the one before it. Else by id. An earlier launch
+    is looked up once the previous life's history is restored (its record keeps the digests
+    of the secrets that launch ran with): never served unmasked while the daemon boots."""
+    if launch is not None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(supervisor.restored(), RESTORE_WAIT_S)
     snap = supervisor.snapshot()
     if launch is None or launch == snap.launch_id:
         return None  # served from the ring

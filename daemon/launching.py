@@ -64,8 +64,8 @@ class Launching:
         self.log_dir, self.log_max_bytes = log_dir, log_max_bytes
         self.clock, self.tasks, self.post = clock, tasks, post
         self.after_exec = after_exec  # once the server runs: what the relaunch held back
-        # With live_restore, the shim that runs the servers (a future: it is being started
-        # again; None: we run them).
+        # The shim that runs the servers (a future: it is being started again; None: none
+        # can be had, and the daemon runs them itself, `server/local.py`).
         self.shim = shim
         self.line_listeners: set[Callable[[list[str]], None]] = set()  # raw: redact to serve
         self._early: dict[int, list[Message]] = {}  # lines read before the spawn was posted
@@ -150,9 +150,9 @@ class Launching:
                 header,
                 on_lines=lambda lines, parsed: self._on_lines(launch, lines, parsed),
                 redact=launch.redactor.text,
-                on_write=lambda error: self.post(WriteHealthChanged("launch_log", error)),
+                on_write=self._on_write,
                 max_bytes=self.log_max_bytes,
-                file=ShimFile(child) if isinstance(child, ShimServer) else None,
+                file=ShimFile(child, self._on_write) if isinstance(child, ShimServer) else None,
             )
 
         posted = False
@@ -166,7 +166,12 @@ class Launching:
                     if why == "internal_error":  # what carries its token goes
                         found = await asyncio.to_thread(reaper.find_leftovers, launch.token)
                         await reaper.kill_leftovers(found)
-                    self.post(SpawnFailed(gen, why, f"the shim: {refused.detail or refused}"))
+                    said = refused.detail or str(refused)
+                    detail = {
+                        "exec_failed": f"cannot execute {cfg.argv[0]!r}: {said}",
+                        "log_unwritable": f"cannot create the log: {said}",
+                    }.get(why, f"the shim: {said}")
+                    self.post(SpawnFailed(gen, why, detail))
                     return
             if isinstance(child, Exception):
                 exc = child
@@ -220,9 +225,10 @@ class Launching:
             [],
             on_lines=lambda lines, parsed: self._on_lines(launch, lines, parsed),
             redact=launch.redactor.text,
-            file=ShimFile(child),
+            file=ShimFile(child, self._on_write),
         )
         try:
+            child.forget_early()  # it is in the file (the shim writes, then sends): in the tail
             tail = await asyncio.to_thread(read_tail, child.log_path, RING_LINES)
             log.ring.extend(tail, self.clock.time())
             await child.read_output(log.feed)
@@ -231,6 +237,10 @@ class Launching:
                 self.post(msg)
         finally:  # whatever failed above, its exit reaches the machine
             child.on_exit(lambda returncode: self.post(_exited(launch.gen, child, returncode)))
+
+    def _on_write(self, error: str | None) -> None:
+        """The launch log's writes fail (the error) or work again (None), ours or the shim's."""
+        self.post(WriteHealthChanged("launch_log", error))
 
     def _on_lines(
         self, launch: Launch, lines: list[str], parsed: list[tuple[str, ParsedLine]]

@@ -40,9 +40,8 @@ log = logsetup.get_logger("gpuwarden.supervisor")
 # The owner handles a message in milliseconds; one taking this long means supervision is stuck
 # (the watchdog stops being fed). Config reads are bounded well below it.
 OWNER_STALL_S = 60.0
-# The longest a change waits to be saved while a relaunch is under way (`RELAUNCH_STATES`):
-# the exec's outcome normally comes first and is saved with it; a long backoff, GPU wait or
-# stop is saved after this.
+# The longest a change waits to be saved during a relaunch (`RELAUNCH_STATES`): the exec's
+# outcome normally comes first and is saved with it; a long backoff or stop, after this.
 SAVE_DEFER_S = 0.25
 
 
@@ -96,7 +95,7 @@ class Supervisor:
         self._changed = asyncio.Condition()
         self._boot_id = reaper.boot_id()
         self._ticket = 0
-        self._booted = False  # the previous life's record is in the machine
+        self._booted = asyncio.Event()  # set: the previous life's record is in the machine
         self._shutdown_replies: list[asyncio.Future[Any]] = []
         self._handling_since: float | None = None  # when the owner took its message
         self._owner: asyncio.Task[Any] | None = None
@@ -115,7 +114,7 @@ class Supervisor:
             self.events.seq = max(self.events.seq, int(began.record.get("events_seq") or 0))
         # The first message, before any command: those asked meanwhile wait in the inbox.
         self._dispatch(began, None)
-        self._booted = True
+        self._booted.set()
         await self._handled()
         try:
             while not self.machine.finished:
@@ -170,8 +169,7 @@ class Supervisor:
         m = self.machine
         if not m.dirty:
             return
-        # What was asked for (the intent, a swap or sweep begun or ended) is saved at once; only
-        # a relaunch's own passing states wait.
+        # What was asked (intent, swap, sweep) is saved at once; a relaunch's passing states wait.
         asked = (
             m.intent.config,
             m.intent.running,
@@ -390,7 +388,10 @@ class Supervisor:
     def booting(self) -> bool:
         """The previous life is being restored: its record read, its server stopped, the
         saved intent read and preflighted."""
-        return not self._booted or self.snapshot().booting
+        return not self._booted.is_set() or self.snapshot().booting
+
+    async def restored(self) -> None:
+        await self._booted.wait()  # (the history: an earlier launch's record masks its log)
 
     def redactor_for(self, record: Mapping[str, Any] | None) -> Redactor:
         """A redactor for the log of the launch whose history entry is `record`."""

@@ -363,11 +363,11 @@ def test_a_stopped_daemon_never_stalls_the_server_nor_loses_its_lines(
 
 
 def install_shim(root: Path, version: tuple[int, int]) -> Path:
-    """Another install's shim: its three files and the log writer they load, copied under
+    """Another install's shim: its four files and the log writer they load, copied under
     `root`, speaking protocol `version`. Returns its shim.py."""
     here = Path(shim_module.__file__).parent
     (root / "server").mkdir(parents=True)
-    for name in ("shim.py", "shimproc.py", "shimwire.py"):
+    for name in ("shim.py", "shimproc.py", "shimwire.py", "shimout.py"):
         text = (here / name).read_text()
         if name == "shimwire.py":
             assert f"VERSION = {shimwire.VERSION}" in text

@@ -148,6 +148,7 @@ def test_a_client_that_does_not_read_never_stalls_the_server(shim: Path, tmp_pat
     lines = 400_000  # about 24 MB: more than the shim keeps for a client, and the socket
     script = (
         f"import sys\nfor i in range({lines}):\n    sys.stdout.write('x' * 50 + ' %d\\n' % i)\n"
+        "sys.stdout.write('the end of the flood\\n')\n"
     )
     _spawn(client, tmp_path, script)
     # Nothing is read until the server is done: its exit is recorded all the same.
@@ -156,10 +157,17 @@ def test_a_client_that_does_not_read_never_stalls_the_server(shim: Path, tmp_pat
     body, _ = watcher.until_event("exit")
     assert body["returncode"] == 0
     log = (tmp_path / "logs" / "L1.log").read_bytes()
-    assert log.count(b"\n") == lines + 1  # every line, and the header
-    # The client that did not read gets what fitted, then a word on what did not.
-    dropped, _ = client.until_event("dropped")
+    assert log.count(b"\n") == lines + 2  # every line, and the header
+    # The client that did not read gets what fitted, then a word on what did not, then the
+    # newest of what was held back: the flood's end, in order, without a gap inside it.
+    dropped, before = client.until_event("dropped")
     assert dropped["launch_id"] == "L1" and dropped["bytes"] > 0
+    assert len(before) + dropped["bytes"] < len(log)  # it was not all dropped: the end comes
+    _, after = client.until_event("exit")
+    assert after.endswith(b" %d\nthe end of the flood\n" % (lines - 1))
+    numbers = [int(line.split()[1]) for line in after.splitlines()[1:-1]]
+    assert numbers == list(range(numbers[0], lines))  # the newest, whole and consecutive
+    assert len(after) > 200_000  # (about 256 KiB of it)
 
 
 def test_release_ends_a_running_server_and_bad_requests_leave_the_shim_serving(

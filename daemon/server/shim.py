@@ -1,4 +1,4 @@
-"""The shim: the servers' parent when they are to outlive the daemon (`live_restore`).
+"""The shim: the servers' parent, so that they can outlive the daemon (`live_restore`).
 
 One long-lived process per state directory, started by the daemon and never on the restart
 path: it executes each server when the daemon asks, in a session of its own, writes the
@@ -9,11 +9,11 @@ in memory and in `<dir>/<launch_id>.exit`. The daemon may stop, crash or be repl
 meanwhile: a later daemon connects again, lists what runs and attaches to it.
 
 Run as a file by a bare interpreter (`python -I -S shim.py --dir DIR`): standard library
-only, with `shimwire.py`, `shimproc.py` and `logfile.py` loaded by their paths, so it stays
-small. It
-listens on `<dir>/shim.sock` (mode 0600) and serves one request at a time from each of its
-clients (see `shimwire.py` and `shimclient.py`). A client that does not read is never waited
-for: its output beyond `CLIENT_BUFFER` is dropped for it (the file has it) and it is told.
+only, with `shimwire.py`, `shimproc.py`, `shimout.py` and `logfile.py` loaded by their paths,
+so it stays small. It listens on `<dir>/shim.sock` (mode 0600) and serves one request at a
+time from each of its clients (see `shimwire.py` and `shimclient.py`). A client that does not
+read is never waited for: past its room, the middle of a flood is dropped for it (the file has
+it) and it is told, and it gets the flood's end (`shimout.py`).
 """
 
 from __future__ import annotations
@@ -44,19 +44,11 @@ def _load(name: str, path: str) -> Any:
 wire = _load("wire", os.path.join(_HERE, "shimwire.py"))
 proc = _load("proc", os.path.join(_HERE, "shimproc.py"))
 logfile = _load("logfile", os.path.join(os.path.dirname(_HERE), "logfile.py"))
+out = _load("out", os.path.join(_HERE, "shimout.py"))
 
 READ_SIZE = 256 * 1024  # a flood moves in few reads (the pipes hold 1 MiB)
 PIPE_SIZE = 1 << 20
 F_SETPIPE_SZ = 1031
-CLIENT_BUFFER = 8 * 1024 * 1024
-
-
-class Client:
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.reader = wire.Reader()
-        self.out = bytearray()
-        self.dropped: dict[str, int] = {}  # output not sent for want of room, by launch
 
 
 class Shim:
@@ -64,7 +56,7 @@ class Shim:
         self.dir, self.idle_exit_s = folder, idle_exit_s
         self.sel = selectors.DefaultSelector()
         self.servers: dict[str, Any] = {}  # launch id -> `shimproc.Server`
-        self.clients: set[Client] = set()
+        self.clients: set[Any] = set()
         self.idle_since = time.monotonic()
         self.done = False
         self.accept_paused: float | None = None
@@ -127,11 +119,11 @@ class Shim:
             self.accept_paused = time.monotonic()
             return
         sock.setblocking(False)
-        client = Client(sock)
+        client = out.Client(sock, wire.Reader(), wire.json_frame)
         self.clients.add(client)
         self.sel.register(sock, selectors.EVENT_READ, ("client", client))
 
-    def _client_readable(self, client: Client) -> None:
+    def _client_readable(self, client: Any) -> None:
         try:
             data = client.sock.recv(READ_SIZE)
             frames = client.reader.feed(data) if data else None
@@ -149,7 +141,7 @@ class Shim:
                 reply = {"error": f"{type(exc).__name__}: {exc}"}
             self._send(client, wire.json_frame({"req": message.get("req"), **reply}))
 
-    def _drop_client(self, client: Client) -> None:
+    def _drop_client(self, client: Any) -> None:
         self.clients.discard(client)
         for server in self.servers.values():
             server.watchers.discard(client)
@@ -157,66 +149,33 @@ class Shim:
             self.sel.unregister(client.sock)
         client.sock.close()
 
-    def _send(self, client: Client, frame: Any, output_of: str | None = None) -> None:
-        """Send `frame` (bytes, or its parts) or queue what the socket does not take now;
-        output beyond the client's room is dropped for it, and counted."""
-        if client not in self.clients:
-            return
-        parts = frame if isinstance(frame, tuple) else (frame,)
-        size = sum(len(p) for p in parts)
-        if output_of is not None and len(client.out) + size > CLIENT_BUFFER:
-            client.dropped[output_of] = client.dropped.get(output_of, 0) + size
-            return
-        if len(client.out) + size > 2 * CLIENT_BUFFER:  # nor replies: it goes
-            self._drop_client(client)
-            return
-        if client.out:  # behind already: in order, after what waits
-            for part in parts:
-                client.out += part
-            return
-        try:  # nothing waits: sent as it is, gathered (the output is not copied again)
-            sent = client.sock.sendmsg(parts)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
-            self._drop_client(client)
-            return
-        if sent == size:
-            return
-        for part in parts:  # the rest waits for the socket
-            if sent >= len(part):
-                sent -= len(part)
-                continue
-            client.out += memoryview(part)[sent:]
-            sent = 0
-        self.sel.modify(
-            client.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, ("client", client)
-        )
+    def _send(self, client: Any, frame: Any, output_of: str | None = None) -> None:
+        """Send `frame` (bytes, or its parts) to `client`, or queue it (`shimout.py`)."""
+        if client in self.clients:
+            parts = frame if isinstance(frame, tuple) else (frame,)
+            self._watch(client, client.send(parts, output_of))
 
-    def _flush(self, client: Client) -> None:
-        try:
-            sent = client.sock.send(client.out)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
+    def _flush(self, client: Any) -> None:
+        self._watch(client, client.flush())
+
+    def _watch(self, client: Any, waiting: bool | None) -> None:
+        """After a send: a client that is to go goes; one with output waiting is watched for
+        its socket to take more."""
+        if waiting is None:
             self._drop_client(client)
             return
-        del client.out[:sent]
-        if not client.out and client.dropped:
-            for launch_id, count in client.dropped.items():
-                note = {"event": "dropped", "launch_id": launch_id, "bytes": count}
-                client.out += wire.json_frame(note)
-            client.dropped = {}
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if client.out else 0)
-        self.sel.modify(client.sock, events, ("client", client))
+        if waiting != client.writing:  # (a change only: not a system call per frame)
+            client.writing = waiting
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if waiting else 0)
+            self.sel.modify(client.sock, events, ("client", client))
 
-    def _notify(self, server: Any, event: str) -> None:
+    def _notify(self, server: Any, event: str, **extra: Any) -> None:
         for client in list(server.watchers):
-            self._send(client, wire.json_frame({"event": event, **server.view()}))
+            self._send(client, wire.json_frame({"event": event, **server.view(), **extra}))
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def _request(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+    def _request(self, client: Any, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg.get("op")
         if op == "hello":
             return {"version": list(wire.VERSION), "pid": os.getpid()}
@@ -243,7 +202,7 @@ class Shim:
             return {"ok": True}
         return {"error": f"unknown op {op!r}"}
 
-    def _spawn(self, client: Client, msg: dict[str, Any]) -> dict[str, Any]:
+    def _spawn(self, client: Any, msg: dict[str, Any]) -> dict[str, Any]:
         req = wire.spawn_request(msg)  # checked before anything is made of it
         launch_id = req["launch_id"]
         if launch_id in self.servers:
@@ -258,6 +217,7 @@ class Shim:
         self._watch_exit(server)  # from its exec on, its exit is read whatever follows
         try:  # after the exec: the server need not wait for a file to be created
             server.log = logfile.LogFile(req["log"], req["head"], max_bytes=req["max_bytes"])
+            server.log.on_write = lambda error: self._notify(server, "write", error=error)
         except Exception as exc:
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)
@@ -358,7 +318,8 @@ def main(argv: list[str]) -> int:
     if not folder or len(argv) % 2:
         print("usage: shim.py --dir DIR [--idle-exit-s S]", file=sys.stderr)
         return 2
-    for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGHUP):  # a terminal's or the daemon's
+    # A terminal's, the daemon's, a file-size limit's (the write fails, and is said): ignored.
+    for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGHUP, signal.SIGXFSZ):
         signal.signal(sig, signal.SIG_IGN)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     # One shim a folder, for its life: a second one started beside it says so and ends (its

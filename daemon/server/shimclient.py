@@ -21,6 +21,8 @@ from typing import Any
 from . import reaper, shimwire
 
 LOST = "the shim's connection ended"
+DROPPED = "# gpuwarden: {} bytes of output not handed to the daemon (behind): the log has them\n"
+EARLY_MAX = 4 * 1024 * 1024  # output held for a handle not read yet (the file has all of it)
 
 
 class ShimError(Exception):
@@ -179,7 +181,7 @@ class ShimClient(asyncio.Protocol):
 class ShimServer:
     """A server the shim runs: an `effects.ServerHandle`."""
 
-    survives_daemon = True  # the shim's child: a later life of the daemon adopts it
+    survives_daemon = True  # the shim's child: with live_restore a later life adopts it
 
     def __init__(self, client: ShimClient, launch_id: str, log: Path) -> None:
         loop = asyncio.get_running_loop()
@@ -191,9 +193,13 @@ class ShimServer:
         self.first_output: asyncio.Future[None] = loop.create_future()
         self.closed = asyncio.Event()
         self.released = False
-        self.on_output: Callable[[bytes, int], None] = lambda data, fd: None
+        self.on_write: Callable[[str | None], None] = lambda error: None  # set by `ShimFile`
+        self.on_output: Callable[[bytes, int], None] = self._held  # until `read_output`
+        self._early: list[tuple[bytes, int]] = []  # what came before: handed on then
+        self._early_bytes = 0
         self._on_exit: Callable[[int | None], None] | None = None
         self.dropped_bytes = 0  # output the shim did not hand on (the file has it)
+        self.write_error: str | None = None  # the shim's writes to its log fail (at attach)
         self.lost_reason: str | None = None  # the shim was lost while it ran: exit unknown
 
     @property
@@ -217,6 +223,7 @@ class ShimServer:
 
     def answered_with(self, body: dict[str, Any]) -> None:
         self.pid = int(body["pid"])
+        self.write_error = str(body["write_error"]) if body.get("write_error") else None
         if not self.spawned.done():
             self.spawned.set_result(None)
         if body.get("running") is False:
@@ -237,8 +244,12 @@ class ShimServer:
                 self.closed.set()
         elif event == "closed":
             self.closed.set()
-        elif event == "dropped":
-            self.dropped_bytes += int(body.get("bytes") or 0)
+        elif event == "dropped":  # the shim held back what the daemon could not take
+            lost = int(body.get("bytes") or 0)
+            self.dropped_bytes += lost
+            self.on_output(DROPPED.format(lost).encode(), 2)  # the ring and the dump say so
+        elif event == "write":  # its log's writes fail (the error), or work again (None)
+            self.on_write(str(body["error"]) if body.get("error") else None)
 
     def lost(self, why: str) -> None:
         """The shim is gone: this server's output and exit will not come through it."""
@@ -281,8 +292,24 @@ class ShimServer:
         started: list[asyncio.Future[Any]] = [self.first_output, self.exited]
         await asyncio.wait(started, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
 
+    def _held(self, chunk: bytes, stream: int) -> None:
+        """Output that came before anyone reads it (the exec's first lines arrive with the
+        spawn's answer): kept for `read_output`, up to `EARLY_MAX` (beyond, the file has it)."""
+        if self._early_bytes + len(chunk) > EARLY_MAX:
+            self.dropped_bytes += len(chunk)
+            return
+        self._early.append((chunk, stream))
+        self._early_bytes += len(chunk)
+
+    def forget_early(self) -> None:
+        """What came so far is read from the file instead (an adoption reads its tail)."""
+        self._early, self._early_bytes = [], 0
+
     async def read_output(self, on_output: Callable[[bytes, int], None]) -> None:
+        early, self._early, self._early_bytes = self._early, [], 0
         self.on_output = on_output
+        for chunk, stream in early:
+            on_output(chunk, stream)
         create_time = await asyncio.to_thread(reaper.create_time_of, self.pid)
         self.create_time = create_time or time.time()
 
@@ -312,9 +339,15 @@ class ShimFile:
     """A launch's log file as the shim writes it (a `launchlog.FileWriter`): what arrives is
     whole lines, already in the file; closing it releases the server, with its trailer."""
 
-    def __init__(self, server: ShimServer) -> None:
+    def __init__(
+        self, server: ShimServer, on_write: Callable[[str | None], None] | None = None
+    ) -> None:
         self.server = server
         self.closed = False
+        if on_write is not None:  # the shim's writes to it failing, and working again
+            server.on_write = on_write
+            if server.write_error:  # (failing already: an adopted server's)
+                on_write(server.write_error)
 
     def feed(self, chunk: bytes, stream: int = 2) -> bytes:
         return chunk

@@ -44,6 +44,7 @@ class Server:
             "closed": not self.pipes,
             "log": self.log.path if self.log is not None else None,
             "size": self.log.size if self.log is not None else 0,
+            "write_error": self.log.write_error if self.log is not None else None,
         }
 
 
