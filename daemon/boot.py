@@ -4,10 +4,11 @@ the machine decides (`restoring.py`, `on_boot_began`) and asks for the rest: tha
 stopped (`stop_previous`), then the saved intent read and preflighted like any start
 (`boot_start`). Commands that arrive meanwhile are handled in order with these.
 
-With live_restore the shim is asked what it runs: the server state.json names, found there
-and verified as that very server (boot, launch token, pid, argv, create time), is attached
-to (`Adoptee`) for the machine to take over as it is; what runs and cannot be verified is
-listed as unmanaged, never signalled.
+The shim is asked what it runs: the server state.json names, found there and verified as
+that very server (boot, launch token, pid, argv, create time), is attached to (`Adoptee`) for
+the machine to take over as it is, with live_restore; without it, one still running is
+stopped as any previous server, and one that ended is attached to for its recorded exit.
+What runs and cannot be verified is listed as unmanaged, never signalled.
 """
 
 from __future__ import annotations
@@ -46,17 +47,20 @@ async def survey(
     state_dir: Path,
     shim: ShimClient | None = None,
     configs: ConfigStore | None = None,
+    *,
+    live_restore: bool = True,
 ) -> BootBegan:
     """state.json as the previous life left it, which of its processes still live, and the
     install's key for the digests of secrets kept in launch records; with a shim, the server
-    to adopt and what it runs that is not ours to manage."""
+    to adopt (a running one only with `live_restore`) and what it runs that is not ours to
+    manage."""
     salt = await asyncio.to_thread(secret_salt, state_dir)
     data, note = await asyncio.to_thread(store.load)
     listed: list[dict[str, Any]] = []
     if shim is not None:
         with contextlib.suppress(ConnectionError, ShimError, TypeError):
             listed = [s for s in (await shim.request("list"))["servers"] if isinstance(s, dict)]
-    found = await asyncio.to_thread(_survey, data, boot_id, listed)
+    found = await asyncio.to_thread(_survey, data, boot_id, listed, live_restore)
     adoptee = None
     if found.adopt is not None and shim is not None and configs is not None:
         adoptee, why = await _attach(shim, configs, *found.adopt, rollback=_rollback_name(data))
@@ -85,7 +89,9 @@ class _Found:
     release: list[str] = field(default_factory=list)  # the shim's records of no launch of ours
 
 
-def _survey(data: dict[str, Any], boot_id: str, listed: list[dict[str, Any]]) -> _Found:
+def _survey(
+    data: dict[str, Any], boot_id: str, listed: list[dict[str, Any]], live_restore: bool
+) -> _Found:
     alive_known: set[tuple[int, float]] = set()
     items = data.get("known_processes")
     for item in items if isinstance(items, list) else []:
@@ -109,7 +115,9 @@ def _survey(data: dict[str, Any], boot_id: str, listed: list[dict[str, Any]]) ->
             found.release.append(launch_id)
     if record is not None and view is not None:
         unverified = _unverified(record, view, boot_id)
-        if unverified is None:
+        if unverified is None and not live_restore and view.get("running"):
+            found.previous = _previous(record, boot_id)  # stopped, then released in the shim
+        elif unverified is None:
             found.adopt = (record, view)
         elif view.get("running"):
             found.unmanaged.append(_unmanaged(view.get("pid"), f"launch {named}: {unverified}"))

@@ -126,7 +126,8 @@ def shutdown(m: Machine, msg: ms.ShutdownRequested) -> None:
         return
     launch = m.launch
     child = launch.child if launch is not None and launch.running else None
-    if child is not None and child.survives_daemon and m.state in LIVE_STATES:
+    keep = m.settings.live_restore and child is not None and child.survives_daemon
+    if keep and child is not None and m.state in LIVE_STATES:
         # Live restore: it runs on under the shim, and the next life adopts it.
         m.event("server_left_running", pid=child.pid, detail=LEFT_RUNNING)
         m.finished = True

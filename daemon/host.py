@@ -14,6 +14,7 @@ posted (`TaskFailed`); one that overruns its deadline makes supervision count as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -31,12 +32,13 @@ from .probing import Probes
 from .records import Records
 from .retrying import Retry
 from .server import shimstart
-from .server.shimclient import ShimClient
+from .server.shimclient import ShimClient, ShimError
 from .settings import Settings
 from .store import EventLog, StateStore
 from .tasks import Tasks
 
 SHIM_RETRY_MAX_S = 30.0
+SHIM_EXIT_WAIT_S = 2.0  # the shim's answer to "exit" at a shutdown without live_restore
 SHIM_FALLBACK = "servers are started by the daemon itself: they do not outlive it"
 SHIM_LOST = (
     "its servers' output and exits had no other way to the daemon: they are ended and started "
@@ -107,11 +109,10 @@ class Host:
         self._closing = False
 
     async def start_shim(self) -> None:
-        """With `live_restore`: the shim of the state directory, found or started, before the
-        boot (a previous life's servers run under it). One that cannot be had is said, and
-        servers are then started by the daemon itself (they do not outlive it)."""
-        if self.settings.live_restore:
-            await self._connect_shim(again=False)
+        """The shim of the state directory, found or started, before the boot (a previous
+        life's servers run under it): every server runs under it. One that cannot be had is
+        said, and servers are then started by the daemon itself (they do not outlive it)."""
+        await self._connect_shim(again=False)
 
     async def _connect_shim(self, again: bool, delay_s: float = 0.0) -> None:
         """Connect to (or start) the shim; one lost is sought again and again, backing off to
@@ -162,7 +163,11 @@ class Host:
             if task is not None:
                 task.cancel()
         if self.shim is not None:
-            self.shim.close()  # the shim and its servers run on: a later life takes them
+            if not self.settings.live_restore and not os.environ.get(shimstart.EXTERNAL_ENV):
+                # Its servers were stopped (the shutdown's stop): it ends with the daemon.
+                with contextlib.suppress(ConnectionError, ShimError, TimeoutError):
+                    await asyncio.wait_for(self.shim.request("exit"), SHIM_EXIT_WAIT_S)
+            self.shim.close()  # with live_restore, the shim and its servers run on
         await self.records.close()
         self.tasks.cancel_all()
         await self.probes.close()
@@ -278,10 +283,17 @@ class Host:
         self.post(PreviousServerStopped(previous, killed))
 
     async def survey(self, store: StateStore, boot_id: str) -> BootBegan:
-        """What the previous life left (`boot.survey`), with `live_restore` asked of the shim,
-        found or started first."""
+        """What the previous life left (`boot.survey`), the shim (found or started first) asked
+        what it runs."""
         await self.start_shim()
-        return await boot.survey(store, boot_id, self.settings.state_dir, self.shim, self.configs)
+        return await boot.survey(
+            store,
+            boot_id,
+            self.settings.state_dir,
+            self.shim,
+            self.configs,
+            live_restore=self.settings.live_restore,
+        )
 
     def boot_start(self, config: str, rollback: str | None) -> None:
         self.tasks.task(self._boot_start(config, rollback), deadline_s=boot.BOOT_DEADLINE_S)

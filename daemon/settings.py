@@ -120,7 +120,8 @@ class Settings(_Strict):
     http: HttpLimits = Field(default_factory=HttpLimits)  # type: ignore[arg-type]
     log_repeat_window_s: float = Field(60.0, gt=0)
     log_stream: LogStreamSettings = Field(default_factory=LogStreamSettings)  # type: ignore[arg-type]
-    # True: servers run under the shim (`server/shim.py`), which outlives the daemon.
+    # Servers run under the shim (`server/shim.py`) either way. True: they outlive the daemon
+    # (its stop, crash or upgrade) and its next start adopts them; false: its stop stops them.
     live_restore: bool = False
 
     @field_validator("listen")

@@ -637,16 +637,18 @@ def test_an_alias_bomb_is_refused_while_the_daemon_stays_responsive(
 def test_a_full_disk_is_reported_retried_and_the_gap_marked(
     procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
-    """A file-size limit of one byte on the daemon: no file it writes can grow. The launch log,
-    events.jsonl and state.json each report the failure, keep trying and say what is missing
-    once the limit is lifted."""
+    """A file-size limit of one byte on the daemon and the shim: no file they write can grow.
+    The launch log (the shim's), events.jsonl and state.json each report the failure, keep
+    trying and say what is missing once the limit is lifted."""
     d = start_daemon(procs, tmp_path, fake_gpu, {"f": standin_config()}, default="f")
     d.wait_state("ready")
     log_file = Path(d.status()["log_file"])
     daemon = psutil.Process(d.proc.popen.pid)
+    shim = psutil.Process(d.wait_event("server.shim_connected")["pid"])
     limit = daemon.rlimit(psutil.RLIMIT_FSIZE)
     mark = d.mark()
     daemon.rlimit(psutil.RLIMIT_FSIZE, (1, limit[1]))
+    shim.rlimit(psutil.RLIMIT_FSIZE, (1, limit[1]))
     try:
         # The probes' access lines fill the launch log; a restart writes events and state.
         d.wait_event("server.write_failed", after=mark, target="launch_log", timeout=20)
@@ -658,6 +660,7 @@ def test_a_full_disk_is_reported_retried_and_the_gap_marked(
         assert "File too large" in st["write_errors"]["events"]
     finally:
         daemon.rlimit(psutil.RLIMIT_FSIZE, limit)
+        shim.rlimit(psutil.RLIMIT_FSIZE, limit)
     d.wait_event("server.write_resumed", after=mark, target="events", timeout=20)
     d.wait_event("server.write_resumed", after=mark, target="state", timeout=20)
     d.wait_state("ready", after=mark)
@@ -791,7 +794,10 @@ def test_a_daemon_killed_mid_swap_resumes_it_as_a_swap(
 def test_a_server_that_ended_while_the_daemon_was_away_gets_its_exit_record(
     procs: list[Proc], tmp_path: Path, fake_gpu: Path
 ) -> None:
+    """The daemon and its shim are SIGKILLed, then the server: nothing recorded its exit (with
+    the shim alive, its record gives the exact one: `test_shim_path.py`)."""
     d = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")
+    shim = d.wait_event("server.shim_connected")["pid"]
     d.wait_state("ready")
     old_pid, old_launch = d.status()["pid"], d.status()["launch_id"]
     wait_until(
@@ -806,6 +812,8 @@ def test_a_server_that_ended_while_the_daemon_was_away_gets_its_exit_record(
     )
     d.proc.signal(signal.SIGKILL)
     d.proc.wait(10)
+    os.kill(shim, signal.SIGKILL)
+    wait_until(lambda: not alive(shim), 10, "the shim gone")
     os.killpg(old_pid, signal.SIGKILL)
     wait_until(lambda: not alive(old_pid), 10, "the old server gone")
     d2 = start_daemon(procs, tmp_path, fake_gpu, {"base": standin_config()}, default="base")

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
 import pytest
 
 from .support.daemon import start_daemon, until
@@ -187,3 +188,41 @@ def test_a_server_holding_gpu_memory_survives_a_daemon_sigkill_and_is_adopted(
         assert log.read_text().count(f"holding {mib} MiB") == 1  # never loaded again
         d.http.post("/stop").raise_for_status()
         d.wait_state("stopped", timeout=60)
+
+
+def test_without_live_restore_the_next_life_stops_a_killed_daemons_server_and_its_memory_goes(
+    procs: list[Proc], tmp_path: Path, nvml: NvmlBackend
+) -> None:
+    """The default path on a real GPU: the server runs under the shim; the daemon is
+    SIGKILLed while it holds 20 GiB; the next life stops it (not adopted), sees the memory go
+    and starts the saved intent; its SIGTERM then stops that server and ends the shim."""
+    idle = nvml.snapshot().gpus[0].used_mib
+    port, mib = free_port(), 20480
+    cfg = {
+        "command": [sys.executable, str(Path(__file__).with_name("gpu_server.py"))],
+        "args": {"port": port, "mib": mib},
+        "gpus": [0],
+        "preflight": {"argv": False},
+        "health": {"interval_s": 0.5, "startup_timeout_s": 300},
+    }
+    gpu = {"backend": "nvml", "poll_interval_s": 0.05, "release_timeout_s": 120}
+    fake = tmp_path / "unused-fake"
+    d = start_daemon(procs, tmp_path, fake, {"torch": cfg}, default="torch", gpu=gpu)
+    shim = d.wait_event("server.shim_connected")["pid"]
+    d.wait_state("ready", timeout=300)
+    old = d.status()["pid"]
+    d.proc.signal(signal.SIGKILL)
+    d.proc.popen.wait(10)
+    d = start_daemon(procs, tmp_path, fake, {"torch": cfg}, default="torch", gpu=gpu)
+    stopped = d.wait_event("server.previous_server_stopped", timeout=120)
+    launch = d.wait_event("server.launch", timeout=300)
+    d.wait_state("ready", timeout=300)
+    assert stopped["pid"] == old and launch["pid"] != old
+    assert not psutil.pid_exists(old)
+    new = d.status()["pid"]
+    assert psutil.Process(new).ppid() == shim  # the same shim, found by the next life
+    d.proc.signal(signal.SIGTERM)
+    assert d.proc.popen.wait(120) == 0
+    wait_until(lambda: not psutil.pid_exists(shim), 10, "the shim to end with the daemon")
+    wait_until(lambda: nvml.snapshot().gpus[0].used_mib < idle + 512, 60, "the memory to go")
+    print(f"\nprevious server {old} stopped by the next life; GPU 0 back to idle ({idle} MiB)")

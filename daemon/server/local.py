@@ -1,4 +1,5 @@
-"""The local server's handle: the one process this daemon starts and watches as a server.
+"""The local server's handle: a server this daemon starts and watches itself, the fallback
+for when no shim can be had (`shimstart.py`; the shim is every launch's parent otherwise).
 
 * The server runs in its own session (so its group can be signalled without touching us),
   stdin closed, stdout and stderr on pipes read in chunks by the event loop.
@@ -137,7 +138,7 @@ class LocalServer:
     launch_id: str
     protocol: _Protocol
     signals_sent: list[str] = field(default_factory=list)
-    survives_daemon = False  # the daemon's child: it ends with it (stop_previous at the next)
+    survives_daemon = False  # the daemon's own child (no shim could be had): it ends with it
 
     @property
     def exited(self) -> asyncio.Future[int | None]:

@@ -1,6 +1,6 @@
-"""The shim found or started: a daemon with `live_restore` connects to the shim of its state
-directory (a previous life's, still running its servers) or starts one, once, at its own start
-and never on the restart path.
+"""The shim found or started: the daemon connects to the shim of its state directory (a
+previous life's, still running its servers) or starts one, once, at its own start and never
+on the restart path.
 
 The shim is started by a bare interpreter (`python -I -S shim.py`: no site, no package imports
 but its two sibling files) in a session of its own, so it outlives the daemon. While this life

@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +52,26 @@ def shims_ended(state_dir: Path, daemons: Sequence[Any] = ()) -> Iterator[None]:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.popen.wait(20)
         folder = str(state_dir / "shim")
-        for proc in psutil.process_iter(["cmdline"]):
-            cmd = proc.info["cmdline"] or []
-            if folder in cmd and any(part.endswith("shim.py") for part in cmd):
-                for pid in _children(proc.pid):
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(pid, signal.SIGKILL)
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
+        end_shims(lambda found: found == folder)
+
+
+def end_shims(mine: Callable[[str], bool]) -> int:
+    """Kill every shim whose folder (`--dir`) `mine` accepts, with every process group its
+    servers lead; return how many there were."""
+    ended = 0
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if not any(part.endswith("shim.py") for part in cmd) or "--dir" not in cmd[:-1]:
+            continue
+        if not mine(cmd[cmd.index("--dir") + 1]):
+            continue
+        ended += 1
+        for pid in _children(proc.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return ended
 
 
 def _children(pid: int) -> list[int]:
