@@ -184,6 +184,7 @@ def test_a_dead_detokenizer_leaves_the_port_open_and_requests_hanging(
     with pytest.raises(httpx.TimeoutException):
         httpx.get(url(proc, "/health"), timeout=1.0)
     assert proc.popen.poll() is None
+    proc.kill_group()  # (its loop is blocked for 60 s: a SIGTERM would wait for it)
 
 
 def test_with_crash_diagnostics_off_a_dead_child_ends_the_server_at_once(
@@ -221,6 +222,7 @@ def test_main_ignoring_sigterm_keeps_serving(standin: Callable[..., Proc]) -> No
     assert httpx.get(url(proc, "/health"), timeout=5).status_code == 200
     assert proc.popen.poll() is None
     assert "SIGTERM received" not in proc.text()
+    proc.kill_group()  # (it ignores the SIGTERM the teardown would send first)
 
 
 def test_escaping_grandchild_keeps_holding_gpu_memory(
