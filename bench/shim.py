@@ -1,9 +1,10 @@
 """The shim's own figures (`daemon/server/shim.py`): its resident memory idle and with a server,
 the capture of a flood through it against the floor (the writer to a file itself), the longest
-single write the server made while its client did not read, and the time for a later client to
-connect, list and attach (the shim's share of an adoption).
+single write the server made while its client did not read, and while no client was connected at
+all (the daemon down), and the time for a later client to connect, list and attach (the shim's
+share of an adoption).
 
-Usage: python bench/shim.py [--lines N] [--reps R]
+Usage: python bench/shim.py [--lines N] [--reps R] [--stall-s S] [--down-s S]
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ def main() -> None:
     ap.add_argument("--lines", type=int, default=500_000)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--stall-s", type=float, default=30.0, help="the stalled daemon's 1 MB/s run")
+    ap.add_argument("--down-s", type=float, default=60.0, help="the 1 MB/s run with no daemon")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -169,31 +171,32 @@ def main() -> None:
             takes.append((time.perf_counter() - t0) * 1000)
             later.sock.close()
         client.request("release", launch_id="idle")
-        # A daemon stopped for --stall-s while the server writes 1 MB/s: the server's client
-        # (the daemon) reads nothing the whole time.
-        steady_file = tmp / "steady"
-        stopped = Client(tmp / "shim")
-        stopped.request(
-            "spawn",
-            launch_id="steady",
-            argv=[
-                sys.executable,
-                "-c",
-                STEADY,
-                str(1_000_000),
-                str(args.stall_s),
-                str(steady_file),
-            ],
-            env=dict(os.environ),
-            log=str(tmp / "logs" / "steady.log"),
-            head="",
-        )
-        while not steady_file.exists():
+        # A daemon stopped for --stall-s while the server writes 1 MB/s (its client reads
+        # nothing), then a daemon gone for --down-s (no client at all; a later one attaches).
+        steady = {}
+        for kind, secs in (("stalled", args.stall_s), ("down", args.down_s)):
+            steady_file = tmp / f"steady-{kind}"
+            daemon = Client(tmp / "shim")
+            daemon.request(
+                "spawn",
+                launch_id=kind,
+                argv=[sys.executable, "-c", STEADY, str(1_000_000), str(secs), str(steady_file)],
+                env=dict(os.environ),
+                log=str(tmp / "logs" / f"{kind}.log"),
+                head="",
+            )
+            if kind == "down":
+                daemon.sock.close()  # the daemon is gone: nobody is connected the while
+            while not steady_file.exists():
+                time.sleep(0.2)
             time.sleep(0.2)
-        time.sleep(0.2)
-        steady_longest, steady_lines = steady_file.read_text().split()
-        steady_logged = (tmp / "logs" / "steady.log").read_bytes().count(b"\n")
-        stopped.sock.close()
+            if kind == "down":  # its next life attaches to what ran on
+                daemon = Client(tmp / "shim")
+                assert daemon.request("attach", launch_id=kind)["pid"] > 0
+            worst, written = steady_file.read_text().split()
+            logged = (tmp / "logs" / f"{kind}.log").read_bytes().count(b"\n")
+            steady[kind] = (float(worst) * 1000, int(written), logged)
+            daemon.sock.close()
         proc.kill()
         proc.wait()
     med = statistics.median
@@ -209,11 +212,15 @@ def main() -> None:
     )
     print(f"the server's longest single write through the shim: {max(longest) * 1000:.2f} ms")
     print(f"a later client's connect, hello, list and attach: median {med(takes):.2f} ms")
-    print(
-        f"a daemon that reads nothing for {args.stall_s:g} s while the server writes 1 MB/s: the "
-        f"server's longest single write {float(steady_longest) * 1000:.2f} ms; lines written "
-        f"{int(steady_lines):,}, in the log {steady_logged:,}"
-    )
+    for kind, what in (
+        ("stalled", f"a daemon that reads nothing for {args.stall_s:g} s"),
+        ("down", f"no daemon for {args.down_s:g} s (then one attaches)"),
+    ):
+        worst_ms, written, logged = steady[kind]
+        print(
+            f"{what} while the server writes 1 MB/s: the server's longest single write "
+            f"{worst_ms:.2f} ms; lines written {written:,}, in the log {logged:,}"
+        )
 
 
 if __name__ == "__main__":
