@@ -4,12 +4,14 @@ daemon. Standard library only and no package imports: the shim loads this file b
 A frame is a 5-byte header (payload length, big-endian u32; kind, u8) and its payload:
 
 * `JSON` (0): one JSON object. A request names its `op` and a `req` number that its reply
-  carries back; a notice names its `event` (`exit`, `closed`, `dropped`).
+  carries back; a notice names its `event` (`exit`, `closed`, `dropped`, and from 1.1 on
+  `write`: the log's writes failing, `error`, or working again, null).
 * `OUTPUT` (1): a launch's output as written to its log, whole lines: a u8 stream (1 stdout,
   2 stderr), a u16 length and the launch id, then the bytes.
 
 `VERSION` is the protocol's: a daemon adopts servers from a shim of the same major version,
-whichever release of gpuwarden started it (`hello` answers the shim's).
+whichever release of gpuwarden started it (`hello` answers the shim's). A minor version adds
+only what the other side may ignore (1.1: the `write` notice and a server's `write_error`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import re
 import struct
 from typing import Any
 
-VERSION = (1, 0)
+VERSION = (1, 1)
 JSON, OUTPUT = 0, 1
 HEADER = struct.Struct("!IB")
 OUT_HEADER = struct.Struct("!BH")
