@@ -126,8 +126,8 @@ def shutdown(m: Machine, msg: ms.ShutdownRequested) -> None:
         return
     launch = m.launch
     child = launch.child if launch is not None and launch.running else None
-    keep = m.settings.live_restore and child is not None and child.survives_daemon
-    if keep and child is not None and m.state in LIVE_STATES:
+    keep = m.settings.live_restore and m.state in LIVE_STATES
+    if keep and child is not None and child.survives_daemon:
         # Live restore: it runs on under the shim, and the next life adopts it.
         m.event("server_left_running", pid=child.pid, detail=LEFT_RUNNING)
         m.finished = True

@@ -132,6 +132,21 @@ def test_daemon_waits_for_the_memory_and_relaunches_after_a_crash(
         assert holder["ours"] is True and holder["used_mib"] >= 20000
 
 
+NVML_FAST = {"backend": "nvml", "poll_interval_s": 0.05, "release_timeout_s": 120}
+
+
+def holder_config(mib: int) -> tuple[dict[str, object], dict[str, object]]:
+    """A config of `gpu_server.py` holding `mib` on GPU 0, and the daemon's GPU settings."""
+    cfg = {
+        "command": [sys.executable, str(Path(__file__).with_name("gpu_server.py"))],
+        "args": {"port": free_port(), "mib": mib},
+        "gpus": [0],
+        "preflight": {"argv": False},
+        "health": {"interval_s": 0.5, "startup_timeout_s": 300},
+    }
+    return cfg, NVML_FAST
+
+
 def test_a_server_holding_gpu_memory_survives_a_daemon_sigkill_and_is_adopted(
     procs: list[Proc], tmp_path: Path, nvml: NvmlBackend
 ) -> None:
@@ -139,15 +154,8 @@ def test_a_server_holding_gpu_memory_survives_a_daemon_sigkill_and_is_adopted(
     next life adopts the same process, and the memory is never released (sampled every 5 ms
     through the outage) nor loaded again (one `holding` line in the log)."""
     idle = nvml.snapshot().gpus[0].used_mib
-    port, mib = free_port(), 20480
-    cfg = {
-        "command": [sys.executable, str(Path(__file__).with_name("gpu_server.py"))],
-        "args": {"port": port, "mib": mib},
-        "gpus": [0],
-        "preflight": {"argv": False},
-        "health": {"interval_s": 0.5, "startup_timeout_s": 300},
-    }
-    gpu = {"backend": "nvml", "poll_interval_s": 0.05, "release_timeout_s": 120}
+    mib = 20480
+    cfg, gpu = holder_config(mib)
     fake = tmp_path / "unused-fake"
     with shims_ended(tmp_path / "state", procs):
         d = start_daemon(
@@ -197,15 +205,8 @@ def test_without_live_restore_the_next_life_stops_a_killed_daemons_server_and_it
     SIGKILLed while it holds 20 GiB; the next life stops it (not adopted), sees the memory go
     and starts the saved intent; its SIGTERM then stops that server and ends the shim."""
     idle = nvml.snapshot().gpus[0].used_mib
-    port, mib = free_port(), 20480
-    cfg = {
-        "command": [sys.executable, str(Path(__file__).with_name("gpu_server.py"))],
-        "args": {"port": port, "mib": mib},
-        "gpus": [0],
-        "preflight": {"argv": False},
-        "health": {"interval_s": 0.5, "startup_timeout_s": 300},
-    }
-    gpu = {"backend": "nvml", "poll_interval_s": 0.05, "release_timeout_s": 120}
+    mib = 20480
+    cfg, gpu = holder_config(mib)
     fake = tmp_path / "unused-fake"
     d = start_daemon(procs, tmp_path, fake, {"torch": cfg}, default="torch", gpu=gpu)
     shim = d.wait_event("server.shim_connected")["pid"]

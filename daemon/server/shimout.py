@@ -35,7 +35,6 @@ class Client:
         self.tail: collections.deque[tuple[str | None, Parts, int]] = collections.deque()
         self.tail_bytes = 0  # the output's
         self.held_other = 0  # the notices' and replies'
-
         self.writing = False  # watched for its socket to take more (the shim's to set)
 
     def send(self, parts: Parts, output_of: str | None = None) -> bool | None:
