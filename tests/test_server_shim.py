@@ -167,7 +167,7 @@ def test_a_client_that_does_not_read_never_stalls_the_server(shim: Path, tmp_pat
     assert after.endswith(b" %d\nthe end of the flood\n" % (lines - 1))
     numbers = [int(line.split()[1]) for line in after.splitlines()[1:-1]]
     assert numbers == list(range(numbers[0], lines))  # the newest, whole and consecutive
-    assert len(after) > 200_000  # (about 256 KiB of it)
+    assert len(after) >= 256 * 1024  # (at least 256 KiB of it, in whole chunks)
 
 
 def test_release_ends_a_running_server_and_bad_requests_leave_the_shim_serving(

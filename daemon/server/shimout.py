@@ -3,12 +3,12 @@ takes nothing, and what is held back when it falls behind.
 
 The shim never waits for a client. A frame the socket does not take now is queued (in order);
 past `ROOM` queued, a server's output is no longer queued for it: the newest `TAIL_KEEP` bytes
-of what is held back are kept, and once the queue has drained the client is told how many bytes
-it was not sent (the file has them), then sent those newest ones. So a client that falls behind
-a flood loses its middle, never its end (a server's last lines, its death line among them), and
-the notices and replies that came meanwhile keep their place after the output before them (an
-exit is never heard before its last lines). Those are never dropped: a client that lets them
-reach its room, or its queue twice that, goes.
+of what is held back are kept (at least that, in whole chunks), and once the queue has drained
+the client is told how many bytes it was not sent (the file has them), then sent those newest
+ones. So a client that falls behind a flood loses its middle, never its end (a server's last
+lines, its death line among them), and the notices and replies that came meanwhile keep their
+place after the output before them (an exit is never heard before its last lines). Those are
+never dropped: a client that lets them reach its room, or its queue twice that, goes.
 
 Standard library only: the shim (`shim.py`) loads this file by its path.
 """
@@ -99,9 +99,9 @@ class Client:
         self.dropped[launch_id] = self.dropped.get(launch_id, 0) + size
         self.tail.append((launch_id, parts, size))
         self.tail_bytes += size
-        while self.tail_bytes > TAIL_KEEP:  # the oldest output goes (notices stay)
+        while True:  # the oldest output goes while the newest TAIL_KEEP bytes stay (notices stay)
             i = next(i for i, held in enumerate(self.tail) if held[0] is not None)
-            if i == len(self.tail) - 1:
-                break  # (the newest is kept, however large)
+            if self.tail_bytes - self.tail[i][2] < TAIL_KEEP:
+                break  # (so the newest chunk is kept, however large)
             self.tail_bytes -= self.tail[i][2]
             del self.tail[i]
