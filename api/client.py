@@ -64,6 +64,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         ("last exit", last_text),
         ("log file", str(st.get("log_file") or "-")),
     ]
+    phase = render.phase_text(st.get("phase"))
+    if phase:
+        rows.append(("phase", phase))
+    start = render.startup_text(st.get("startup"))
+    if start:
+        rows.append(("start took", start))
     if st.get("swap"):
         sw = st["swap"]
         rows.append(("swap", f"{sw['id']}: {sw['from']} -> {sw['to']} ({sw['phase']})"))
@@ -81,6 +87,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     return code
 
 
+def _print_start(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    """After a restart that reached ready: where its start went (`start took: 41.2s: ...`)."""
+    if data.get("state") != "ready":
+        return
+    try:
+        start = render.startup_text(call(args, "GET", "/status", timeout=5).json().get("startup"))
+    except (ClientError, ValueError, AttributeError):
+        return
+    if start:
+        print(f"start took {start}")
+
+
 def cmd_restart(args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"wait": "true" if args.wait else "false"}
     if args.wait:
@@ -96,6 +114,7 @@ def cmd_restart(args: argparse.Namespace) -> int:
     elif args.wait:
         took = f" after {render.duration(data['elapsed_s'])}" if "elapsed_s" in data else ""
         print(f"{data['outcome']}: {data.get('evidence') or data.get('reason') or ''}{took}")
+        _print_start(args, data)
     else:
         print(f"accepted: {data.get('swap_id')} -> {data.get('config')} ({data.get('state')})")
     if args.wait and data.get("outcome") != "ready":

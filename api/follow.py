@@ -3,14 +3,13 @@
 `restart --wait` sends `POST /restart?wait=true` (the daemon answers once the restart has
 settled, and by default once a swapped-in config has passed its probation) and, while that
 request is pending, polls `/status` and the log's tail to show the state, the time waited,
-the loading phase and the latest log line: rewritten in place on a terminal, a plain line per
-change otherwise, both on stderr so that stdout keeps only the outcome.
+the phase of the start with its ETA and the latest log line: rewritten in place on a terminal,
+a plain line per change otherwise, both on stderr so that stdout keeps only the outcome.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import threading
 import time
@@ -21,23 +20,6 @@ from .target import ClientError, call
 
 POLL_S = 0.5
 EVENTS_PAGE = 500
-
-# SGLang's (and the stand-in's) loading, in order; the latest line that names one wins.
-PHASES = (
-    (re.compile(r"Init torch distributed"), "initialising torch.distributed"),
-    (re.compile(r"Load weight|Loading safetensors|Loading pt checkpoint"), "loading weights"),
-    (re.compile(r"KV Cache is allocated|Memory pool end"), "allocating the KV cache"),
-    (re.compile(r"Capture (draft )?(extend )?cuda graph", re.I), "capturing CUDA graphs"),
-    (re.compile(r"Uvicorn running|Started server process|Waiting for application"), "warming up"),
-)
-
-
-def loading_phase(lines: list[str]) -> str | None:
-    for line in reversed(lines):
-        for pattern, phase in PHASES:
-            if pattern.search(line):
-                return phase
-    return None
 
 
 class Progress:
@@ -77,7 +59,7 @@ def _progress_line(
 ) -> tuple[tuple[Any, ...], str] | None:
     try:
         st = call(args, "GET", "/status", timeout=5).json()
-        lines = call(args, "GET", "/logs", params={"lines": 20}, timeout=5).json()["lines"]
+        lines = call(args, "GET", "/logs", params={"lines": 5}, timeout=5).json()["lines"]
     except (ClientError, ValueError, KeyError):
         return None  # the daemon is busy or restarting: the answer itself still comes
     state = st.get("state") or "?"
@@ -85,13 +67,13 @@ def _progress_line(
     parts = [f"[{render.duration(elapsed)}]", state]
     if swap.get("phase") and swap.get("phase") != state:
         parts.append(f"swap {swap['phase']}")
-    phase = loading_phase(lines) if state == "starting" else None
+    phase = st.get("phase") if state == "starting" else None
     if phase:
-        parts.append(phase)
+        parts.append(render.phase_text(phase) or "")
     if state == "ready" and probation:
         parts.append("on probation")
     latest = next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
-    key = (state, swap.get("phase"), phase)
+    key = (state, swap.get("phase"), phase and phase.get("name"))
     return key, " · ".join(parts) + (f" · {latest}" if latest else "")
 
 

@@ -11,7 +11,7 @@ import re
 import shutil
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import IO
+from typing import IO, Any
 
 RESET = "\x1b[0m"
 # C0 controls but the tab, DEL, and C1 controls (U+0080-U+009F: U+009B is a CSI on its own)
@@ -127,3 +127,39 @@ def safe(text: str) -> str:
     the clipboard), and printed raw they would. Applied to every line of a log, an event or a
     dump the CLI prints as text, terminal or not (`--json` escapes them already)."""
     return CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+# A start's phases (`/status` `phase` and `startup`), as people say them.
+PHASE_LABELS = {
+    "init": "initialising",
+    "weights": "loading weights",
+    "kv_cache": "allocating the KV cache",
+    "cuda_graphs": "capturing CUDA graphs",
+    "warmup": "warming up",
+}
+
+
+def phase_text(phase: dict[str, Any] | None) -> str | None:
+    """`loading weights 12s · ready in ~40s` (no ETA before a launch of the config was ready)."""
+    if not phase:
+        return None
+    name = str(phase.get("name"))
+    text = f"{PHASE_LABELS.get(name, safe(name))} {short(float(phase.get('elapsed_s') or 0))}"
+    eta = phase.get("eta_s")
+    if isinstance(eta, int | float):
+        text += f" · ready in ~{short(eta)}"
+    return text
+
+
+def short(seconds: float) -> str:
+    """`0.8s`, `42.1s`, then as `duration` from a minute on."""
+    return f"{max(0.0, seconds):.1f}s" if seconds < 60 else duration(seconds)
+
+
+def startup_text(startup: dict[str, Any] | None) -> str | None:
+    """`3.1s: init 1.2s, weights 0.8s, ...` (where a launch's start went)."""
+    if not startup or startup.get("ready_s") is None:
+        return None
+    phases = startup.get("phases") or {}
+    parts = [f"{safe(str(k))} {short(float(v))}" for k, v in phases.items()]
+    return short(float(startup["ready_s"])) + (f": {', '.join(parts)}" if parts else "")

@@ -133,7 +133,7 @@ class Attempts:
         launch.ready_at, launch.ready_mono = self.clock.time(), self.clock.monotonic()
         self.host.end_tasks(launch)
         took = launch.ready_mono - (launch.started_mono or launch.ready_mono)
-        self.ledger.note_ready(launch.config.name, took)
+        self.ledger.note_ready(launch, took)
         return took
 
     def watch_ready(self, launch: Launch) -> None:

@@ -29,6 +29,13 @@ class LaunchHistory:
                 return
         self.started({"launch_id": launch_id, **fields})
 
+    def amend(self, launch_id: str, fields: dict[str, Any]) -> None:
+        """Add what became known of a launch still running (its time to ready, its phases)."""
+        for i in range(len(self._entries) - 1, -1, -1):
+            if self._entries[i]["launch_id"] == launch_id:
+                self._entries[i] = {**self._entries[i], **fields}
+                return
+
     def unfinished(self) -> list[dict[str, Any]]:
         """Launches with no exit on record (a previous life of the daemon did not see it)."""
         return [e for e in self._entries if e.get("exit") is None]

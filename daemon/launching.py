@@ -252,6 +252,8 @@ class Launching:
         now = self.tasks.real.monotonic()
         early = self._early.get(launch.gen)
         for text, result in parsed:
+            if result.phase is not None:
+                launch.phases.mark(result.phase, now)
             if result.death and launch.death_at is None:
                 since = now - DEATH_CONTEXT_S
                 launch.death_at = next(

@@ -111,7 +111,7 @@ class LaunchLog:
             for line in lines:
                 if _interesting(line):
                     result = parse_line(line)
-                    if result.ready or result.decode is not None or result.findings:
+                    if result.ready or result.decode is not None or result.findings or result.phase:
                         parsed.append((line, result))
         if self.on_lines is not None:
             self.on_lines(lines, parsed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, assert_never
 
+from . import phases
 from .gpustate import GpuSnapshot
 from .history import LaunchHistory
 from .messages import GpuSampled, LineParsed, OrphansKilled, ServerFiguresRead, WriteHealthChanged
@@ -64,7 +65,11 @@ class Ledger:
                 if launch is not None and msg.parsed.decode is not None:
                     self.note_figures(launch, decode_metrics(msg.parsed.decode), "log")
             case ServerFiguresRead():  # the server's own /metrics; dropped once it is gone
-                if launch is not None and launch.gen == msg.gen and launch.running:
+                if launch is None or launch.gen != msg.gen or not launch.running:
+                    return False
+                if msg.startup is not None and launch.launch_id:
+                    self.history.amend(launch.launch_id, {"server_startup": dict(msg.startup)})
+                elif msg.figures:
                     self.note_figures(launch, dict(msg.figures), "sglang_metrics")
             case GpuSampled():
                 return self.note_gpus(msg, launch)
@@ -97,6 +102,7 @@ class Ledger:
         record: dict[str, object] = {
             "launch_id": launch.launch_id,
             "config": launch.config.name,
+            "config_hash": launch.config.config_hash,
             "pid": pid,
             "started_at": utc_iso(launch.started_at),
             "ready_at": None,
@@ -183,9 +189,19 @@ class Ledger:
 
     # -- a launch's figures -----------------------------------------------------------------------
 
-    def note_ready(self, config: str, took: float) -> None:
+    def note_ready(self, launch: Launch, took: float) -> None:
+        """A launch is ready, `took` seconds after its exec: on its record with the phases its
+        start went through (what the next launch's ETA is made of), but an adopted launch's,
+        whose start another life of the daemon saw."""
         self.ready_times = [*self.ready_times[-(READY_TIMES_KEPT - 1) :], took]
-        self.ready_by_config[config] = took
+        self.ready_by_config[launch.config.name] = took
+        if not launch.launch_id:
+            return
+        fields: dict[str, Any] = {"ready_at": utc_iso(launch.ready_at), "ready_s": round(took, 3)}
+        if launch.recorded is None and launch.started_mono is not None:
+            end = launch.started_mono + took
+            fields["phases"] = phases.record(launch.phases.segments(launch.started_mono, end))
+        self.history.amend(launch.launch_id, fields)
 
     def reset_figures(self) -> None:
         self.server_metrics, self.server_metrics_mono = {}, None

@@ -261,10 +261,12 @@ class SweepEnded:
 
 @dataclass(frozen=True)
 class ServerFiguresRead:
-    """The server's figures, read from its own /metrics for launch `gen` (on a scrape)."""
+    """The server's figures, read from its own /metrics for launch `gen` (on a scrape), or its
+    own account of its start (`startup`: 0.5.23's `/server_info` `startup_time`, once ready)."""
 
     gen: int
     figures: dict[str, Any]
+    startup: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from .phases import PhaseClock
 from .redact import Redactor
 from .sglanglines import Finding
 from .states import SwapPhase
@@ -135,6 +136,7 @@ class Launch:
     # Where this exit's evidence starts in `findings`: DEATH_CONTEXT_S before SGLang's death
     # line (a watchdog timeout, an OOM logged just before), not a request's error of hours ago.
     death_at: int | None = None
+    phases: PhaseClock = field(default_factory=PhaseClock)  # the phases its start went through
     # The evidence of its health, written only by the evidence part (`evidence.py`).
     announced: str | None = None  # SGLang's line saying the server died
     checking_listener: bool = False  # a readiness signal came; who listens is being asked

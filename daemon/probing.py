@@ -10,11 +10,11 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import ownership
+from . import ownership, startup
 from .clock import Clock
 from .health import Prober
 from .listener import check_listener
-from .messages import ListenerChecked, Message, ProbeFailed, ProbeSucceeded
+from .messages import ListenerChecked, Message, ProbeFailed, ProbeSucceeded, ServerFiguresRead
 from .tasks import Tasks
 
 if TYPE_CHECKING:
@@ -34,6 +34,15 @@ class Probes:
         (`ProbeSucceeded`). Liveness: each failure (`ProbeFailed`), and the first success after
         failures, until the launch ends."""
         self.tasks.task(self._probe_loop(launch, readiness), launch=launch)
+        if not readiness:
+            self.tasks.task(self._read_startup(launch), launch=launch)
+
+    async def _read_startup(self, launch: Launch) -> None:
+        """SGLang's own account of its start, once it serves: kept on the launch's record
+        beside the phases its log showed. Another server (or an older SGLang): nothing."""
+        times = await startup.read(launch.config)
+        if times is not None:
+            self.post(ServerFiguresRead(launch.gen, {}, startup=times))
 
     async def _probe_loop(self, launch: Launch, readiness: bool) -> None:
         health = launch.config.config.health

@@ -1,4 +1,5 @@
-"""SGLang's log lines, read: the ready line, Decode batch figures, errors, death lines.
+"""SGLang's log lines, read: the ready line, Decode batch figures, errors, death lines, the
+lines that begin a phase of its start.
 
 Pure functions of one line (no I/O): `parse_line` finds what a line says, `_interesting` and
 `_interesting_bytes` are the cheap pre-filters the capture path runs first, `decode_metrics`
@@ -34,6 +35,13 @@ _KEYWORDS = (
     "crashed",  # "Subprocess scheduler_0 (pid=N) crashed with exit code"
     "IGQUIT",  # "SIGQUIT received. ... one child failed."
     "igquit",  # "Received sigquit from a child process."
+    # A phase of the start begins (`phase_of`).
+    "oad weight",
+    "ache is allocated",
+    "emory pool end",
+    "raph begin",
+    "raph end",
+    "vicorn running",
 )
 _KEYWORDS_B = tuple(k.encode() for k in _KEYWORDS)
 
@@ -73,6 +81,8 @@ class ParsedLine:
     # hit an exception. It may still linger (crash diagnostics, a 60 s coredump wait) with its
     # port open, but it will never serve again.
     death: bool = False
+    # The phase of the start this line begins (`phase_of`), if it begins one.
+    phase: str | None = None
 
 
 # The lines SGLang prints when a process of the server has died (0.5.x), each from its logger
@@ -96,6 +106,40 @@ _DEATH = re.compile(
     r"|(?:ERROR:\s+)?\[Errno \d+\] error while attempting to bind on address )"
 )
 _HIT_AN_EXCEPTION = re.compile(r"^[A-Z]\w* hit an exception")
+
+
+# The lines that begin a phase of a start (`phases.py`), matched on the message without its
+# prefix, case-insensitively (older logs say `Capture cuda graph begin`, 0.5.23 `Capture target
+# decode CUDA graph begin`, the draft's `Capture draft cuda graph begin`):
+#   Load weight begin. avail mem=...               -> weights (the target's, then the draft's)
+#   Load weight end. elapsed=...                   -> kv_cache (sized and allocated next)
+#   KV Cache is allocated. ... / Memory pool end.  -> init (the engine's own work between)
+#   Capture ... cuda graph begin.                  -> cuda_graphs
+#   Capture ... cuda graph end.                    -> init
+#   INFO:     Uvicorn running on http://...         -> warmup (its HTTP server is up; ready next)
+_PHASE_LINES = (
+    (re.compile(r"load weight begin\b", re.I), "weights"),
+    (re.compile(r"load weight end\b", re.I), "kv_cache"),
+    (re.compile(r"(?:kv cache is allocated|memory pool end)\b", re.I), "init"),
+    (re.compile(r"capture (?:[\w ]+ )?cuda graph begin\b", re.I), "cuda_graphs"),
+    (re.compile(r"capture (?:[\w ]+ )?cuda graph end\b", re.I), "init"),
+    (re.compile(r"(?:INFO:\s+)?uvicorn running on ", re.I), "warmup"),
+)
+_RANK = re.compile(r"[A-Z_]+(\d+)")
+
+
+def phase_of(line: str) -> str | None:
+    """The phase of a start that `line` (as read, with its prefix) begins, if any. Only rank 0
+    speaks for the start (each tensor-parallel rank logs its own `Load weight begin`); uvicorn's
+    own lines have no prefix."""
+    m = _PREFIX.match(line)
+    if m is not None and any(int(n) for n in _RANK.findall(m.group("ranks"))):
+        return None
+    msg = line[m.end() :] if m else line
+    for pattern, phase in _PHASE_LINES:
+        if pattern.match(msg):
+            return phase
+    return None
 
 
 def announces_death(line: str) -> bool:
@@ -132,6 +176,9 @@ def parse_line(line: str) -> ParsedLine:
         out.decode = values
         return out
     if msg.startswith("Prefill batch"):  # nothing in it to find
+        return out
+    out.phase = phase_of(line.strip())
+    if out.phase is not None:
         return out
     find = out.findings.append
     if (

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwarden.daemon import history, logsetup
+from gpuwarden.daemon import history, logsetup, views
 from gpuwarden.daemon.errors import CommandError, config_refusal
 from gpuwarden.daemon.load import AnswerError, LoadSpec, get_json, run_load
 from gpuwarden.daemon.sglangbench import run_sglang_bench
@@ -316,6 +316,7 @@ class SweepManager:
             "server_accept_len": statistics.fmean(acc) if acc else None,
             "avg_spec_accept_length": info_accept,
             "launch_id": measured.launch_id,
+            "startup": views.startup_of(sup.snapshot().history, measured.launch_id),
         }
 
     async def _settled(self) -> None:

@@ -249,6 +249,7 @@ NUMBERS: tuple[Column, ...] = (
         "output tokens",
         lambda r, b: "" if r.get("output_tokens") is None else str(r["output_tokens"]),
     ),
+    ("ready (s)", lambda r, b: _num((r.get("startup") or {}).get("ready_s"))),
     ("requests ok", lambda r, b: str(r.get("requests_ok", 0))),
     ("requests failed", lambda r, b: str(r.get("requests_failed", 0))),
 )

@@ -8,15 +8,17 @@ tuple holds entries that are replaced, never changed, when a launch ends).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from . import history
 from .configs import ConfigError, ConfigStore
 from .gpustate import GpuProcess, GpuSnapshot, owner_of
 from .launchlog import LaunchLog
 from .model import utc_iso
+from .phases import PhaseClock, expected, now, totals
 from .redact import Fingerprints, Redactor
 from .states import ServerState
 
@@ -76,6 +78,11 @@ class Snapshot:
     write_failures: Mapping[str, int]
     internal_errors: int
     unmanaged: tuple[Mapping[str, Any], ...] = ()  # found at the boot, not ours: never signalled
+    # The starting launch's phases (the live clock the log pipeline marks, as `log` is live),
+    # from its exec (`started_mono`); its config's hash picks the earlier launches of an ETA.
+    phases: PhaseClock | None = None
+    started_mono: float | None = None
+    launch_hash: str | None = None
 
 
 def take(m: Machine) -> Snapshot:
@@ -133,6 +140,9 @@ def take(m: Machine) -> Snapshot:
         write_failures=MappingProxyType(dict(m.ledger.write_failures)),
         internal_errors=m.ledger.internal_errors,
         unmanaged=tuple(MappingProxyType(dict(u)) for u in m.ledger.unmanaged),
+        phases=launch.phases if launch is not None and m.state == ServerState.STARTING else None,
+        started_mono=launch.started_mono if launch else None,
+        launch_hash=launch.config.config_hash if launch else None,
     )
 
 
@@ -192,6 +202,28 @@ def status_fixed(snap: Snapshot, *, gpu_backend: str) -> dict[str, Any]:
         "internal_errors": snap.internal_errors,
         "unmanaged": [dict(u) for u in snap.unmanaged],
         "supervising": None,
+        "phase": None,
+        "startup": startup(snap),
+    }
+
+
+def startup(snap: Snapshot) -> dict[str, Any] | None:
+    """How the current launch's start went, once it is ready."""
+    return startup_of(snap.history, snap.launch_id) if snap.ready_at is not None else None
+
+
+def startup_of(
+    entries: Iterable[Mapping[str, Any]], launch_id: str | None
+) -> dict[str, Any] | None:
+    """How a launch's start went: the seconds from its exec to ready, each phase's total, and
+    SGLang's own account where it gave one (`server`). None before it was ready."""
+    entry = history.find(entries, launch_id)
+    if entry is None or entry.get("ready_s") is None:
+        return None
+    return {
+        "ready_s": entry.get("ready_s"),
+        "phases": totals(entry.get("phases") or []),
+        "server": entry.get("server_startup"),
     }
 
 
@@ -218,7 +250,16 @@ def status_now(
         "server_metrics": server_metrics(snap, now_mono),
         "supervising": supervising,
         "booting": booting,
+        "phase": phase(snap, now_mono),
     }
+
+
+def phase(snap: Snapshot, now_mono: float) -> dict[str, Any] | None:
+    """While a launch starts: its phase, the seconds in it, and the seconds until ready."""
+    if snap.phases is None or snap.started_mono is None:
+        return None
+    segments = snap.phases.segments(snap.started_mono, max(snap.started_mono, now_mono))
+    return now(segments, expected(snap.history, snap.launch_config, snap.launch_hash))
 
 
 def server_metrics(snap: Snapshot, now_mono: float) -> dict[str, Any] | None:

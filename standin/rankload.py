@@ -28,11 +28,17 @@ from .failures import (
 )
 from .logline import log_line
 
+# SGLang 0.5.23's graph phases in `startup_time.cuda_graph` (`graph_memory_usage.py`).
+GRAPH_KEYS = ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend")
+
 
 class RankLoader:
     def __init__(self, rank: int, cfg: ChildConfig) -> None:
         self.rank = rank
         self.cfg = cfg
+        # What SGLang 0.5.23 reports of its start (`startup_time` in /server_info), in seconds.
+        self.timings: dict[str, Any] = {"load_weight": 0.0, "kv_cache_allocation": 0.0}
+        self.graph_times: dict[str, float] = {}
         self.prefix = f" TP{rank}" if cfg.tp_size > 1 else ""
         self.fake_root = Path(cfg.fake_gpu_dir) if cfg.fake_gpu_dir else None
         self.total_mib = fakegpu.DEFAULT_TOTAL_MIB
@@ -71,6 +77,7 @@ class RankLoader:
     def load(self) -> dict[str, Any]:
         cfg = self.cfg
         faults = cfg.faults
+        began = time.monotonic()
         if self.fake_root is not None:
             spec = fakegpu.read_spec(self.fake_root)
             self.total_mib = spec.total_mib
@@ -103,6 +110,7 @@ class RankLoader:
                 cfg.sleep("load_shard")
         sys.stderr.write("\n")
         self._hold(weights_mib)
+        self.timings["load_weight"] += time.monotonic() - start
         self.log(
             cfg.profile.load_weight_end(
                 time.monotonic() - start, self.avail_gb(), weights_mib / GIB
@@ -113,7 +121,9 @@ class RankLoader:
         kv_mib = int(self.total_mib * cfg.mem_fraction_static) - weights_mib - self.helper_mib
         if faults.has("not_enough_memory") or kv_mib <= 0 or self.avail_gb() * GIB < kv_mib:
             raise_not_enough_memory(cfg.mem_fraction_static)
+        kv_start = time.monotonic()
         cfg.sleep("kv_alloc")
+        self.timings["kv_cache_allocation"] = time.monotonic() - kv_start
         self.max_total_tokens = max(1024, kv_mib * 16)
         kv_gb = kv_mib / GIB / 2
         self.log(
@@ -127,7 +137,9 @@ class RankLoader:
             self._capture("target", faults.has("capture"))
         if cfg.spec is not None:
             self.log(f"Load weight begin. avail mem={self.avail_gb():.2f} GB")
+            draft_start = time.monotonic()
             cfg.sleep("draft_load")
+            self.timings["load_weight"] += time.monotonic() - draft_start
             self._hold(self.used_mib + 2048)
             self.log(cfg.profile.load_weight_end(0.5, self.avail_gb(), 2.0))
             if cfg.cuda_graph:
@@ -138,7 +150,13 @@ class RankLoader:
                 f"max_prefill_tokens=16384, max_running_requests={cfg.max_running_requests}, "
                 f"context_len={cfg.context_length}, available_gpu_mem={self.avail_gb():.2f} GB"
             )
+        graphs = dict.fromkeys(GRAPH_KEYS, 0.0) | self.graph_times
         return {
+            "startup_time": {
+                **self.timings,
+                "scheduler_e2e": time.monotonic() - began,
+                "cuda_graph": graphs,
+            },
             "status": "ready",
             "max_total_num_tokens": self.max_total_tokens,
             "max_req_input_len": cfg.context_length - 8,
@@ -188,6 +206,8 @@ class RankLoader:
         sys.stderr.write("\n")
         self._hold(self.used_mib + 1474)
         elapsed = time.monotonic() - start
+        key = ("target_verify" if spec else "decode") if what == "target" else "draft_decode"
+        self.graph_times[key] = elapsed
         avail = self.avail_gb()
         if cfg.profile.new_capture_lines:
             kind = (

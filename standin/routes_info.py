@@ -103,7 +103,7 @@ def info_routes(server: StandinServer) -> list[Route]:
             "version": profile.version,
         }
         if profile.version == "0.5.23":
-            info.update(startup_time=server.started_at, frontend="python")
+            info.update(startup_time=server.startup_time, frontend="python")
         return info
 
     async def get_server_info(request: Request) -> Response:

@@ -73,6 +73,7 @@ class StandinServer:
         self.children: list[tuple[str, BaseProcess, Connection]] = []
         self.ready_infos: list[dict[str, Any]] = []
         self.started_at = time.time()
+        self.startup_time: dict[str, Any] | None = None  # 0.5.23's, once its ranks are ready
         self.engine: EngineClient | None = None
         self.uvicorn_server: Any = None
         self.background: set[asyncio.Task[None]] = set()
@@ -135,6 +136,33 @@ class StandinServer:
                 warm.cancel()
 
 
+def startup_time(server: StandinServer) -> dict[str, Any]:
+    """0.5.23's account of its start, as its engine makes it: each phase's slowest rank, and
+    the whole start as the front end saw it; logged, then served in `/server_info`."""
+    infos = [i.get("startup_time") or {} for i in server.ready_infos]
+    graphs: dict[str, float] = {}
+    for info in infos:
+        for key, value in (info.get("cuda_graph") or {}).items():
+            graphs[key] = max(graphs.get(key, 0.0), float(value))
+    out: dict[str, Any] = {
+        key: max((float(i.get(key, 0.0)) for i in infos), default=0.0)
+        for key in ("load_weight", "kv_cache_allocation", "scheduler_e2e")
+    }
+    out["cuda_graph"] = graphs
+    out["tokenizer_e2e"] = time.time() - server.started_at
+    log(
+        "Engine startup timings (s): load_weight={:.2f}, kv_cache_allocation={:.2f}, "
+        "scheduler_e2e={:.2f}, cuda_graph={{{}}}, tokenizer_e2e={:.2f}".format(
+            out["load_weight"],
+            out["kv_cache_allocation"],
+            out["scheduler_e2e"],
+            ", ".join(f"{k}={v:.2f}" for k, v in graphs.items()),
+            out["tokenizer_e2e"],
+        )
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     pre, _ = cli.standin_preparser().parse_known_args(argv)
@@ -162,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGQUIT, launch_sigquit_handler)
         launch_children(server)
         wait_schedulers_ready(server)
+        if profile.version == "0.5.23":
+            server.startup_time = startup_time(server)
         if profile.subprocess_watchdog:
             start_subprocess_watchdog(server)
         try:

@@ -204,6 +204,8 @@ function renderStatus(st) {
     ["failures", st.failures + (st.crash_loop ? " · crash loop" : "")],
     ["last good", st.last_good_config || "-"],
   ];
+  if (st.phase) facts.push(["phase", phaseText(st.phase)]);
+  if (st.startup) facts.push(["start took", startupText(st.startup)]);
   if (st.next_retry_at) facts.push(["next retry", `${clock(st.next_retry_at)}`]);
   if (st.rolled_back_from) facts.push(["rolled back from", st.rolled_back_from]);
   const m = st.server_metrics;
@@ -222,12 +224,16 @@ function renderStatus(st) {
 
   const sp = $("swap-progress");
   sp.hidden = !st.swap;
-  if (st.swap) sp.textContent = `${st.swap.id}: ${st.swap.from || "-"} → ${st.swap.to} · ${st.swap.phase}`;
+  if (st.swap) {
+    sp.textContent = `${st.swap.id}: ${st.swap.from || "-"} → ${st.swap.to} · ${st.swap.phase}` +
+      (st.phase ? ` · ${phaseText(st.phase)}` : "");
+  }
   const sw = $("sweep-progress");
   sw.hidden = !st.sweep;
   if (st.sweep) {
     sw.textContent = `sweep ${st.sweep.id}: ${st.sweep.done}/${st.sweep.total}` +
-      (st.sweep.current ? ` · measuring ${st.sweep.current}` : "");
+      (st.sweep.current ? ` · measuring ${st.sweep.current}` : "") +
+      (st.phase ? ` · ${phaseText(st.phase)}` : "");
     noteSweep(st.sweep.id);
   }
 
@@ -243,6 +249,21 @@ function renderStatus(st) {
 
   renderExit(st.last_exit);
   renderGpus(st);
+}
+
+// A start's phase (`/status` phase): "loading weights 12.0s · ready in ~40.0s".
+const PHASE_LABELS = {
+  init: "initialising", weights: "loading weights", kv_cache: "allocating the KV cache",
+  cuda_graphs: "capturing CUDA graphs", warmup: "warming up",
+};
+function secs(s) { return s < 60 ? `${Math.max(0, s).toFixed(1)}s` : duration(s); }
+function phaseText(p) {
+  const eta = p.eta_s != null ? ` · ready in ~${secs(p.eta_s)}` : "";
+  return `${PHASE_LABELS[p.name] || p.name} ${secs(p.elapsed_s || 0)}${eta}`;
+}
+function startupText(s) {
+  const parts = Object.entries(s.phases || {}).map(([k, v]) => `${k} ${secs(v)}`);
+  return secs(s.ready_s) + (parts.length ? `: ${parts.join(", ")}` : "");
 }
 
 function renderExit(ex) {
