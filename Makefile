@@ -32,7 +32,7 @@ typecheck: setup
 	$(BIN)/mypy tests/support/effects.py  # the machine tests' recording Effects is the protocol
 
 unit: setup
-	$(BIN)/pytest -q -p no:cacheprovider --ignore=tests/real
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 --ignore=tests/real
 
 test: lint typecheck unit
 
