@@ -207,6 +207,29 @@ def test_a_swap_from_the_page_shows_its_outcome_and_a_rollback_its_evidence(
     only_the_daemon(page, d)
 
 
+def test_a_restart_shows_its_phase_with_an_eta_then_where_its_start_went(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path, page_for: Any
+) -> None:
+    d = start_daemon(procs, tmp_path, fake_gpu, {"slow": standin_config(scale=0.4)}, default="slow")
+    d.wait_state("ready")
+    page = page_for(d)
+    facts = page.locator("#server-facts")
+    expect(facts).to_contain_text("start took", timeout=UPDATE_MS)
+    expect(facts).to_contain_text("weights")
+    mark = d.mark()
+    d.http.post("/restart", params={"wait": "false"})
+    # The second start of the config: its phase, the time in it, and when it will be ready.
+    progress = page.locator("#swap-progress")
+    expect(progress).to_contain_text("loading weights", timeout=15000)
+    expect(progress).to_contain_text("ready in ~")
+    expect(facts).to_contain_text("loading weights")
+    d.wait_state("ready", after=mark)
+    expect(progress).to_be_hidden(timeout=UPDATE_MS)
+    expect(facts).to_contain_text("start took")
+    assert not page.errors, page.errors
+    only_the_daemon(page, d)
+
+
 def test_sweeps_show_their_table_and_chart_on_a_phone(
     procs: list[Proc], tmp_path: Path, fake_gpu: Path, page_for: Any
 ) -> None:
