@@ -84,6 +84,7 @@ bench-shim: setup
 bench-real: setup
 	$(PYTHON) tests/real/env.py
 	$(BIN)/python bench/deadchild.py
+	$(BIN)/python bench/phases.py
 
 # A bounded soak: 1,000 crash -> restart cycles with zero backoff; prints flat-or-not figures.
 soak: setup

@@ -243,3 +243,33 @@ def test_the_environment_is_the_pinned_one(sglang_env: Path) -> None:
         check=True,
     ).stdout.split()
     assert out == ["0.5.23", "2.13.0+cpu"]
+
+
+def test_a_start_is_recorded_in_phases_and_the_next_one_has_an_eta(served: Daemon) -> None:
+    st = wait_ready(served)
+    # The real server's lines mark the phases (on the CPU: no CUDA graphs), and its own
+    # account of the start (`/server_info` startup_time) is kept beside them.
+    wait_until(
+        lambda: (served.status()["startup"] or {}).get("server") is not None,
+        60,
+        "SGLang's startup_time",
+    )
+    start = served.status()["startup"]
+    assert {"init", "weights", "kv_cache", "warmup"} <= set(start["phases"]), start
+    assert start["ready_s"] == pytest.approx(sum(start["phases"].values()), abs=0.05)
+    assert {"load_weight", "kv_cache_allocation", "scheduler_e2e"} <= set(start["server"]), start
+    # A restart of the config it serves: its phase with an ETA from the earlier start.
+    mark = served.mark()
+    served.http.post("/restart", params={"config": st["config"], "wait": "false"})
+    served.wait_state("starting", after=mark, timeout=120)
+    seen: list[dict[str, Any]] = []
+
+    def eta_shown() -> bool:
+        phase = served.status()["phase"]
+        if phase is not None:
+            seen.append(phase)
+        return phase is not None and phase["eta_s"] is not None
+
+    wait_until(eta_shown, STARTUP_S, "a phase with an ETA")
+    served.wait_state("ready", after=mark, timeout=STARTUP_S)
+    assert served.status()["startup"]["ready_s"] > 0
