@@ -49,4 +49,8 @@ async def readyz(supervisor: SupervisorDep) -> Any:
     responses=errors(401),
 )
 async def status(request: Request, supervisor: SupervisorDep) -> dict[str, Any]:
-    return {**supervisor.status(), "log_streams": request.app.state.log_feed.readers}
+    return {
+        **supervisor.status(),
+        "log_streams": request.app.state.log_feed.readers,
+        "compile_cache": supervisor.host.caches.view(),
+    }

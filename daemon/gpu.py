@@ -61,6 +61,7 @@ class FakeGpuBackend:
                     used_mib=g.used_mib,
                     total_mib=g.total_mib,
                     utilization_pct=None,
+                    name="Fake GPU",
                     processes=tuple(
                         GpuProcess(h.pid, h.name, h.mib, reaper.create_time_of(h.pid))
                         for h in g.holders

@@ -28,6 +28,7 @@ class GpuInfo:
     total_mib: int
     utilization_pct: float | None = None
     processes: tuple[GpuProcess, ...] = ()
+    name: str = ""  # its model, as NVML names it ("NVIDIA H100 80GB HBM3")
 
 
 @dataclass(frozen=True)

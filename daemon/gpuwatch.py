@@ -16,7 +16,7 @@ from gpuwarden.daemon import logsetup
 
 from . import ownership
 from .gpu import GpuBackend
-from .gpustate import GpuSnapshot, busy_gpus, describe_busy
+from .gpustate import GpuSnapshot, busy_gpus, describe_busy, select_gpus
 from .messages import EventNoted, GpuSampled, GpuWaitEnded, Message, OrphansKilled
 from .settings import GpuSettings
 from .tasks import Tasks
@@ -55,6 +55,7 @@ class GpuWatch:
         self.clock = tasks.clock
         self.sweep_deadline_s = sweep_deadline_s  # a sweep's orphan kills, within the wait's
         self._gpu_task: asyncio.Task[Any] | None = None
+        self.latest: GpuSnapshot | None = None  # the last sample taken here
 
     def wait_for_gpus(self, launch: Launch, known_ours: KnownOurs, unresolved: bool) -> None:
         """Post `GpuWaitEnded` once the launch's GPUs are free, killing the holders among them
@@ -123,14 +124,22 @@ class GpuWatch:
         if not self.gpus_answer_at_once:
             return None
         try:
-            return self.gpu.snapshot()
+            self.latest = self.gpu.snapshot()
         except Exception:
             return None
+        return self.latest
 
     async def gpu_snapshot(self) -> GpuSnapshot:
         if self.gpus_answer_at_once:
-            return self.gpu.snapshot()
-        return await asyncio.to_thread(self.gpu.snapshot)
+            self.latest = self.gpu.snapshot()
+        else:
+            self.latest = await asyncio.to_thread(self.gpu.snapshot)
+        return self.latest
+
+    def gpu_model(self, wanted: list[str] | None) -> str | None:
+        """The model of the first GPU of `wanted` (all: None), as last sampled."""
+        gpus = select_gpus(self.latest, wanted) if self.latest is not None else []
+        return (gpus[0].name or None) if gpus else None
 
     def refresh_gpus(self) -> None:
         self.tasks.task(self._refresh_gpus())

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import boot
 from .clock import Clock
+from .compilecache import CompileCaches
 from .configs import ConfigStore
 from .exitsweep import SWEEP_DEADLINE_S, ExitSweep
 from .gpu import GpuBackend
@@ -97,6 +98,8 @@ class Host:
             sample_target=sample_target,
             sweep_deadline_s=SWEEP_DEADLINE_S,
         )
+        self.caches = CompileCaches(settings.compile_cache, self.gpus.gpu_model)
+        self.launching.extra_env = self.caches.env_for
         self.exit_sweep = ExitSweep(gpus=self.gpus, tasks=tasks, post=post)
         self.probes = Probes(prober=prober, clock=clock, tasks=tasks, post=post)
         self.retry = Retry(configs=configs, clock=clock, tasks=tasks, post=post)
@@ -220,7 +223,18 @@ class Host:
     # -- the GPUs --------------------------------------------------------------------------------
 
     def wait_for_gpus(self, launch: Launch, known_ours: KnownOurs, unresolved: bool) -> None:
-        self.gpus.wait_for_gpus(launch, known_ours, unresolved)
+        """Before the GPU wait, the versions of the server's interpreter its cache folder is
+        named by, asked once (a task) and known at once from then on."""
+        argv, env = launch.config.argv, launch.config.process_env(self.launching.base_env)
+        if self.caches.known(argv, env):
+            self.gpus.wait_for_gpus(launch, known_ours, unresolved)
+            return
+
+        async def learn_then_wait() -> None:
+            await self.caches.learn(argv, env)
+            self.gpus.wait_for_gpus(launch, known_ours, unresolved)
+
+        self.tasks.task(learn_then_wait(), gen=launch.gen, name="compile_cache_learn")
 
     def cancel_gpu_wait(self) -> None:
         self.gpus.cancel_gpu_wait()
@@ -253,6 +267,8 @@ class Host:
 
     def probe(self, launch: Launch, readiness: bool) -> None:
         self.probes.probe(launch, readiness)
+        if not readiness:  # it is ready: the caches it may have filled, measured and pruned
+            self.tasks.task(self.caches.scan_and_prune(), name="compile_cache_scan")
 
     def check_listener(self, launch: Launch, how: str) -> None:
         self.probes.check_listener(launch, how)

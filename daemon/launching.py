@@ -72,6 +72,10 @@ class Launching:
         # The servers' base environment: the daemon's, as it started (the daemon never changes
         # its own). Read once: decoding os.environ at each launch cost the restart path ~0.1 ms.
         self.base_env = dict(os.environ)
+        # What else a launch's environment gets (the compile caches' folders), given its argv,
+        # its environment and its GPUs; nothing where the host sets nothing.
+        self.extra_env: Callable[[list[str], dict[str, str], list[str] | None], dict[str, str]]
+        self.extra_env = lambda argv, env, gpus: {}
 
     def spawn(self, launch: Launch, wait: bool = True) -> None:
         shim = self.shim()
@@ -88,6 +92,7 @@ class Launching:
         header = [] if shim is None else self._header(launch)  # the shim writes it first
         try:
             env = cfg.process_env(self.base_env)
+            env.update(self.extra_env(cfg.argv, env, cfg.gpus))
             if shim is None:
                 child: ServerHandle | Exception = local.start(
                     cfg.argv, env, launch.launch_id, token=launch.token

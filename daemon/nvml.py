@@ -60,6 +60,7 @@ class NvmlBackend:
                             )
                         )
                     uuid = nv.nvmlDeviceGetUUID(handle)
+                    name = nv.nvmlDeviceGetName(handle)
                     gpus.append(
                         GpuInfo(
                             index=index,
@@ -68,6 +69,7 @@ class NvmlBackend:
                             total_mib=int(mem.total // (1024 * 1024)),
                             utilization_pct=util,
                             processes=tuple(procs),
+                            name=name.decode() if isinstance(name, bytes) else str(name),
                         )
                     )
                 self._last = GpuSnapshot(tuple(gpus), time.monotonic())

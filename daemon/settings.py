@@ -43,6 +43,17 @@ class StateRetention(_Strict):
     sweeps: int = Field(50, ge=1)
 
 
+class CompileCacheSettings(_Strict):
+    """The JIT and compile caches every launch gets (`compilecache.py`): one folder per (GPU
+    model, SGLang version, torch version) under `dir`, the least recently used pruned past
+    `keep` folders or `max_bytes` in all."""
+
+    enabled: bool = True
+    dir: Path = Path("./cache")
+    max_bytes: int = Field(50 * 1024**3, ge=1)
+    keep: int = Field(8, ge=1)
+
+
 class RestartPolicy(_Strict):
     initial_delay_s: float = Field(10.0, ge=0)
     max_delay_s: float = Field(300.0, ge=0)
@@ -110,6 +121,7 @@ class Settings(_Strict):
     state_dir: Path = Path("./state")
     log_dir: Path = Path("./logs")
     log_retention: Retention = Field(default_factory=Retention)  # type: ignore[arg-type]
+    compile_cache: CompileCacheSettings = Field(default_factory=CompileCacheSettings)  # type: ignore[arg-type]
     retention: StateRetention = Field(default_factory=StateRetention)  # type: ignore[arg-type]
     restart: RestartPolicy = Field(default_factory=RestartPolicy)  # type: ignore[arg-type]
     stop: StopPolicy = Field(default_factory=StopPolicy)  # type: ignore[arg-type]
@@ -159,6 +171,9 @@ class Settings(_Strict):
         }
         if self.token_file is not None:
             updates["token_file"] = fix(self.token_file)
+        updates["compile_cache"] = self.compile_cache.model_copy(
+            update={"dir": fix(self.compile_cache.dir)}
+        )
         return self.model_copy(update=updates)
 
     @property

@@ -114,15 +114,15 @@ _HIT_AN_EXCEPTION = re.compile(r"^[A-Z]\w* hit an exception")
 #   Load weight begin. avail mem=...               -> weights (the target's, then the draft's)
 #   Load weight end. elapsed=...                   -> kv_cache (sized and allocated next)
 #   KV Cache is allocated. ... / Memory pool end.  -> init (the engine's own work between)
-#   Capture ... cuda graph begin.                  -> cuda_graphs
+#   Capture ... cuda graph begin.                  -> cuda_graphs (the CPU's `CPU graph` too)
 #   Capture ... cuda graph end.                    -> init
 #   INFO:     Uvicorn running on http://...         -> warmup (its HTTP server is up; ready next)
 _PHASE_LINES = (
     (re.compile(r"load weight begin\b", re.I), "weights"),
     (re.compile(r"load weight end\b", re.I), "kv_cache"),
     (re.compile(r"(?:kv cache is allocated|memory pool end)\b", re.I), "init"),
-    (re.compile(r"capture (?:[\w ]+ )?cuda graph begin\b", re.I), "cuda_graphs"),
-    (re.compile(r"capture (?:[\w ]+ )?cuda graph end\b", re.I), "init"),
+    (re.compile(r"capture (?:[\w ]+ )?(?:cuda|cpu) graph begin\b", re.I), "cuda_graphs"),
+    (re.compile(r"capture (?:[\w ]+ )?(?:cuda|cpu) graph end\b", re.I), "init"),
     (re.compile(r"(?:INFO:\s+)?uvicorn running on ", re.I), "warmup"),
 )
 _RANK = re.compile(r"[A-Z_]+(\d+)")

@@ -34,6 +34,8 @@ class ChildConfig:
     fake_gpu_dir: str | None = None
     cuda_visible_devices: str | None = None
     durations: dict[str, float] = field(default_factory=dict)
+    # --standin-deepgemm: the JIT cache its kernels are compiled into (None: no DeepGEMM)
+    deepgemm_cache: str | None = None
 
     @property
     def profile(self) -> Profile:

@@ -183,6 +183,12 @@ def add_standin_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
         metavar="N",
         help="a completion ends at EOS after N tokens unless the request says ignore_eos",
     )
+    parser.add_argument(
+        "--standin-deepgemm",
+        action="store_true",
+        help="the model's GEMMs are DeepGEMM's: JIT-compiled at their first use (the target's "
+        "graph capture) unless SGLang's DeepGEMM cache already holds them",
+    )
     add_fault_args(parser)
 
 

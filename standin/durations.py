@@ -16,6 +16,7 @@ DURATIONS: dict[str, float] = {
     "load_shard": 1.0,  # 4 shards
     "kv_alloc": 0.3,
     "capture_step": 0.25,  # 8 batch sizes
+    "deepgemm_jit": 4.0,  # --standin-deepgemm on a cold cache (SGLang's: 10-20 minutes)
     "draft_load": 1.0,
     "warmup_sleep": 1.0,  # the warmup thread's sleep before its first poll
     "drain_step": 5.0,  # sigterm_watchdog's period

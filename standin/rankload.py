@@ -133,6 +133,8 @@ class RankLoader:
         self._hold(weights_mib + kv_mib)
         self.log(f"Memory pool end. avail mem={self.avail_gb():.2f} GB")
 
+        if cfg.deepgemm_cache is not None and not cfg.cuda_graph:  # else at the capture
+            self._deepgemm_jit(cfg.deepgemm_cache)
         if cfg.cuda_graph:
             self._capture("target", faults.has("capture"))
         if cfg.spec is not None:
@@ -161,6 +163,27 @@ class RankLoader:
             "max_total_num_tokens": self.max_total_tokens,
             "max_req_input_len": cfg.context_length - 8,
         }
+
+    def _deepgemm_jit(self, folder: str) -> None:
+        """DeepGEMM's kernels for this model: compiled (a long sleep) into its JIT cache the
+        first time, read from it at once after; as 0.5.23 says it, on the first rank only."""
+        kernels = Path(folder) / "standin" / (self.cfg.model_path.replace("/", "--") + ".kernels")
+        if kernels.exists():
+            return
+        if self.rank == 0:
+            self.log(
+                "Entering DeepGEMM JIT Pre-Compile session. It may take a long time (typically "
+                "10-20 mins) if you have not run `sglang.compile_deep_gemm`."
+            )
+            self.log(
+                "Try DeepGEMM JIT Compiling for <GEMM_NT_F8F8BF16> N=7168, K=2048, "
+                "num_groups=1 with all Ms."
+            )
+        self.cfg.sleep("deepgemm_jit")
+        kernels.parent.mkdir(parents=True, exist_ok=True)
+        part = kernels.with_name(f"{kernels.name}.{os.getpid()}")
+        part.write_bytes(b"\0" * 65536)  # what a few compiled kernels weigh, give or take
+        os.replace(part, kernels)
 
     def _capture(self, what: str, fail: bool) -> None:
         cfg = self.cfg
@@ -193,6 +216,8 @@ class RankLoader:
                 f"avail mem={avail:.2f} GB"
             )
         start = time.monotonic()
+        if what == "target" and cfg.deepgemm_cache is not None:  # its first use
+            self._deepgemm_jit(cfg.deepgemm_cache)
         for i, b in enumerate(reversed(bs)):
             sys.stderr.write(
                 f"\rCapturing batches (bs={b} avail_mem={avail - 0.05 * i:.2f} GB): "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from . import fakegpu
@@ -70,4 +71,14 @@ def resolve(args: Any, profile: Profile) -> ChildConfig:
         fake_gpu_dir=environ.get(fakegpu.ENV_DIR),
         cuda_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
         durations=dict(DURATIONS),
+        deepgemm_cache=deepgemm_cache(environ) if args.standin_deepgemm else None,
     )
+
+
+def deepgemm_cache(environ: Mapping[str, str]) -> str:
+    """Where 0.5.23 keeps DeepGEMM's JIT kernels: SGLANG_DG_CACHE_DIR, else under
+    SGLANG_CACHE_DIR, else ~/.cache/sglang (`sglang.srt.environ`)."""
+    if environ.get("SGLANG_DG_CACHE_DIR"):
+        return environ["SGLANG_DG_CACHE_DIR"]
+    base = environ.get("SGLANG_CACHE_DIR") or "~/.cache/sglang"
+    return os.path.join(os.path.expanduser(base), "deep_gemm")

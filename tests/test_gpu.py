@@ -122,12 +122,16 @@ class StubNvml:
     def nvmlDeviceGetUUID(self, h: int) -> str:
         return "GPU-1234"
 
+    def nvmlDeviceGetName(self, h: int) -> bytes:
+        return b"NVIDIA H100 80GB HBM3"  # (older pynvml answers bytes)
+
 
 def test_an_nvml_error_keeps_the_last_snapshot_marked_stale() -> None:
     stub = StubNvml()
     backend = NvmlBackend(module=stub)
     good = backend.snapshot()
     assert good.error is None and good.gpus[0].used_mib == 615 and good.gpus[0].uuid == "GPU-1234"
+    assert good.gpus[0].name == "NVIDIA H100 80GB HBM3"
     assert good.gpus[0].processes[0].used_mib == 1024
     stub.fail = True
     stale = backend.snapshot()

@@ -35,6 +35,10 @@ P = "[2026-12-06 10:00:00] "
             "cuda_graphs",
         ),
         (P + "Capture draft decode CUDA graph end. bs=[1, 2], elapsed=0.40 s", "init"),
+        (
+            P + "Capture target decode CPU graph begin. backend=full, num_tokens_per_req=1",
+            "cuda_graphs",
+        ),
         ("INFO:     Uvicorn running on http://127.0.0.1:30000 (Press CTRL+C to quit)", "warmup"),
         # older logs, and the ranks of a tensor-parallel server (rank 0 speaks for them all)
         (
