@@ -85,6 +85,7 @@ bench-real: setup
 	$(PYTHON) tests/real/env.py
 	$(BIN)/python bench/deadchild.py
 	$(BIN)/python bench/phases.py
+	$(BIN)/python bench/compilecache.py
 
 # A bounded soak: 1,000 crash -> restart cycles with zero backoff; prints flat-or-not figures.
 soak: setup

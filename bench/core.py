@@ -48,7 +48,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 class Daemon:
-    def __init__(self, root: Path, configs: dict[str, dict[str, Any]], default: str) -> None:
+    def __init__(
+        self, root: Path, configs: dict[str, dict[str, Any]], default: str, **extra: Any
+    ) -> None:
         (root / "configs").mkdir(parents=True, exist_ok=True)
         for name, cfg in configs.items():
             (root / "configs" / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
@@ -59,6 +61,7 @@ class Daemon:
             "stop": {"grace_s": 2},
             "gpu": {"backend": "none"},
             "log_retention": {"launches": 100000},
+            **extra,
         }
         (root / "settings.yaml").write_text(yaml.safe_dump(settings))
         self.log_path = root / "daemon.log"

@@ -112,6 +112,8 @@ class CompileCaches:
             interp = cli.interpreter
             if interp is None and cli.module == "sglang.launch_server":
                 interp = script_interpreter(cli.program[0], env.get("PATH"))
+            elif interp is None and Path(argv[0]).name.startswith("python"):
+                interp = argv[0]  # python script.py
             found = (shutil.which(interp, path=env.get("PATH")) or interp) if interp else None
             self._interpreters[key] = found
         return self._interpreters[key]

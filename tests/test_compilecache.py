@@ -97,7 +97,8 @@ async def test_the_folder_is_named_by_the_servers_own_versions_asked_again_after
     assert caches.env_for(argv, env, None)["SGLANG_CACHE_DIR"].endswith(
         "_sglang-0.5.24_torch-2.13.0+cpu"
     )
-    # Not a Python: nothing to ask; its folder says so.
+    # `python script.py` is asked too; not a Python: nothing to ask, and its folder says so.
+    assert caches.interpreter([sys.executable, "serve.py"], env) == sys.executable
     assert caches.known(["/bin/true"], env)
     assert folder_name(None, None) == "no-gpu_sglang-unknown_torch-unknown"
 

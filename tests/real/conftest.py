@@ -18,12 +18,11 @@ from tests.support.procs import Proc, free_port, owned_processes
 
 from . import env as real_env
 
+# (The JIT and compile caches are the daemon's: `compile_cache`, under each test's folder.)
 RUNTIME_DIRS = {
     "HOME": "home",
     "XDG_CACHE_HOME": "xdg-cache",
     "HF_HOME": "hf",
-    "TORCHINDUCTOR_CACHE_DIR": "inductor",
-    "TRITON_CACHE_DIR": "triton",
 }
 
 # Loading takes 10-40 s here (imports, the engine, a warm-up round trip); more on a busy machine.

@@ -258,6 +258,9 @@ def test_a_start_is_recorded_in_phases_and_the_next_one_has_an_eta(served: Daemo
     assert {"init", "weights", "kv_cache", "warmup"} <= set(start["phases"]), start
     assert start["ready_s"] == pytest.approx(sum(start["phases"].values()), abs=0.05)
     assert {"load_weight", "kv_cache_allocation", "scheduler_e2e"} <= set(start["server"]), start
+    # Its compile caches' folder, named by the versions its own interpreter has.
+    [folder] = served.status()["compile_cache"]["folders"]
+    assert folder["name"] == "no-gpu_sglang-0.5.23_torch-2.13.0+cpu", folder
     # A restart of the config it serves: its phase with an ETA from the earlier start.
     mark = served.mark()
     served.http.post("/restart", params={"config": st["config"], "wait": "false"})

@@ -103,6 +103,7 @@ def make_settings(root: Path, **over: Any) -> Settings:
         "configs_dir": str(root / "configs"),
         "state_dir": str(root / "state"),
         "log_dir": str(root / "logs"),
+        "compile_cache": {"dir": str(root / "cache")},
         "restart": dict(FAST_RESTART),
         "stop": {"grace_s": 3},
         "gpu": {"backend": "fake", "poll_interval_s": 0.02, "release_timeout_s": 3},
