@@ -144,7 +144,9 @@ def phase_text(phase: dict[str, Any] | None) -> str | None:
     if not phase:
         return None
     name = str(phase.get("name"))
-    text = f"{PHASE_LABELS.get(name, safe(name))} {short(float(phase.get('elapsed_s') or 0))}"
+    elapsed = phase.get("elapsed_s")
+    elapsed = float(elapsed) if isinstance(elapsed, int | float) else 0.0
+    text = f"{PHASE_LABELS.get(name, safe(name))} {short(elapsed)}"
     eta = phase.get("eta_s")
     if isinstance(eta, int | float):
         text += f" · ready in ~{short(eta)}"
@@ -158,8 +160,11 @@ def short(seconds: float) -> str:
 
 def startup_text(startup: dict[str, Any] | None) -> str | None:
     """`3.1s: init 1.2s, weights 0.8s, ...` (where a launch's start went)."""
-    if not startup or startup.get("ready_s") is None:
+    if not startup or not isinstance(startup.get("ready_s"), int | float):
         return None
-    phases = startup.get("phases") or {}
-    parts = [f"{safe(str(k))} {short(float(v))}" for k, v in phases.items()]
+    phases = startup.get("phases")
+    phases = phases if isinstance(phases, dict) else {}
+    parts = [
+        f"{safe(str(k))} {short(float(v))}" for k, v in phases.items() if isinstance(v, int | float)
+    ]
     return short(float(startup["ready_s"])) + (f": {', '.join(parts)}" if parts else "")

@@ -5,7 +5,9 @@ SGLang 0.5.23's compile path on the CPU (`--enable-torch-compile`, its CPU graph
 the Intel AMX attention backend; on a CPU without AMX it fails at capture
 (`'TorchNativeAttnBackend' object has no attribute 'init_cpu_graph_state'`). This is the same
 compiler and the same caches (TORCHINDUCTOR_CACHE_DIR, as gpuwarden gives them), run by the
-environment's own torch: `python bench/compile_server.py MODEL_DIR PORT`.
+environment's own torch: `python bench/compile_server.py MODEL_DIR PORT`. On a GPU,
+`python bench/compile_server.py --synthetic PORT` compiles four transformer layers on CUDA
+instead (inductor's Triton kernels: TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR).
 """
 
 from __future__ import annotations
@@ -38,15 +40,25 @@ def main() -> None:
 
     log("Load weight begin. avail mem=0.00 GB")
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if model_dir == "--synthetic":
+        layers = [torch.nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True)]
+        model = torch.nn.Sequential(*(layers * 4)).cuda().half().eval()
+        inputs: dict[str, torch.Tensor] = {"input": torch.randn(8, 128, 1024).cuda().half()}
+        kind = "CUDA"
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().model
+        inputs = {"input_ids": torch.randint(0, 100, (1, 16))}
+        kind = "CPU"
     log(f"Load weight end. elapsed={time.perf_counter() - start:.2f} s")
     log("KV Cache is allocated. dtype: torch.float32, #tokens: 0")
-    log("Capture target decode CPU graph begin. backend=inductor")
+    log(f"Capture target decode {kind} graph begin. backend=inductor")
     start = time.perf_counter()
-    compiled = torch.compile(model.model, dynamic=False)
+    compiled = torch.compile(model, dynamic=False)
     with torch.inference_mode():
-        compiled(input_ids=torch.randint(0, 100, (1, 16)))
-    log(f"Capture target decode CPU graph end. elapsed={time.perf_counter() - start:.2f} s")
+        compiled(**inputs)
+    if kind == "CUDA":
+        torch.cuda.synchronize()
+    log(f"Capture target decode {kind} graph end. elapsed={time.perf_counter() - start:.2f} s")
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Health)
     print(f"INFO:     Uvicorn running on http://127.0.0.1:{port}", file=sys.stderr, flush=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()

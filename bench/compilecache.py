@@ -31,17 +31,20 @@ from tests.support.procs import free_port
 HERE = Path(__file__).resolve().parent
 
 
+# Set by --python (a GPU machine's torch): the server compiles synthetic layers on CUDA.
+GPU_PYTHON: str | None = None
+
+
 def config(env: Path, port: int, inductor: Path | None = None) -> dict[str, Any]:
     environ = {"HOME": str(env / "runtime" / "home"), "HF_HUB_OFFLINE": "1"}
-    if inductor is not None:
+    if inductor is not None:  # a fresh folder for inductor and Triton both
         environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
+        environ["TRITON_CACHE_DIR"] = str(inductor / "triton")
+    python, model = str(real_env.python_of(env)), str(real_env.model_of(env))
+    if GPU_PYTHON is not None:
+        python, model = GPU_PYTHON, "--synthetic"
     return {
-        "command": [
-            str(real_env.python_of(env)),
-            str(HERE / "compile_server.py"),
-            str(real_env.model_of(env)),
-            str(port),
-        ],
+        "command": [python, str(HERE / "compile_server.py"), model, str(port)],
         "env": environ,
         "health": {"url": f"http://127.0.0.1:{port}/health", "startup_timeout_s": 600},
     }
@@ -54,7 +57,9 @@ def launches(root: Path, env: Path, n: int, persist: bool) -> list[dict[str, Any
     }
     if persist:  # one config, started n times
         configs = {"c0": configs["c0"]}
-    d = Daemon(root, configs, "c0", compile_cache={"enabled": persist, "dir": str(root / "cache")})
+    gpu = {"backend": "nvml" if GPU_PYTHON else "none"}
+    caches = {"enabled": persist, "dir": str(root / "cache")}
+    d = Daemon(root, configs, "c0", compile_cache=caches, gpu=gpu)
     out: list[dict[str, Any]] = []
     try:
         for i in range(n):
@@ -86,9 +91,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--launches", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--python", help="a GPU machine's Python with torch: compile on CUDA")
     args = ap.parse_args()
+    global GPU_PYTHON
+    GPU_PYTHON = args.python
     env = real_env.env_dir()
-    if not real_env.is_complete(env):
+    if GPU_PYTHON is None and not real_env.is_complete(env):
         print(f"the real SGLang environment is not built ({env}): `make test-real` builds it")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,9 +108,13 @@ def main() -> int:
         "# The compile phase, first and again",
         "",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu} "
-        f"({os.cpu_count()} cores): the real-SGLang environment's torch, torch.compile of the "
-        "tiny Llama by "
-        "`bench/compile_server.py` under gpuwarden; the launch's `cuda_graphs` phase. Reproduce: "
+        f"({os.cpu_count()} cores): "
+        + (
+            f"{GPU_PYTHON}'s torch, torch.compile of four transformer layers on CUDA by "
+            if GPU_PYTHON
+            else "the real-SGLang environment's torch, torch.compile of the tiny Llama by "
+        )
+        + "`bench/compile_server.py` under gpuwarden; the launch's `cuda_graphs` phase. Reproduce: "
         "`python bench/compilecache.py`.",
         "",
         "| launch | compile (s), gpuwarden's folder | compile (s), a fresh cache each launch |",
@@ -125,7 +137,7 @@ def main() -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compilecache.md").write_text(text)
+    (args.out / ("compilecache-gpu.md" if GPU_PYTHON else "compilecache.md")).write_text(text)
     return 0
 
 

@@ -10,7 +10,9 @@ packages change (their metadata folders are stat'ed at each launch: microseconds
 that is not a Python of SGLang (or the stand-in) gets the `unknown` versions' folder.
 
 Sizes are read off the loop after each launch is ready, and folders are pruned then: the
-least recently used first, past `keep` folders or `max_bytes` in all, never one in use.
+least recently used first, past `keep` folders or `max_bytes` in all, never one in use. Only
+folders gpuwarden made are ever counted or removed (named as `folder_name` names them, with
+its mark inside): anything else under `compile_cache.dir` is left alone.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ CACHE_VARS: dict[str, str] = {
 }
 
 _PROBE = r"""
-import importlib.metadata as m, json
-out = {}
+import importlib.metadata as m, json, sysconfig
+out = {"site": sysconfig.get_paths()["purelib"]}
 for name in ("sglang", "torch"):
     try:
         d = m.distribution(name)
@@ -67,6 +69,10 @@ class Versions:
     sglang: str | None
     torch: str | None
     stamps: tuple[tuple[str, int], ...]  # the packages' metadata folders, as they were
+
+
+# The names `folder_name` gives: only these are counted and pruned.
+OURS = re.compile(r"^[a-z0-9.+-]+_sglang-[a-z0-9.+-]+_torch-[a-z0-9.+-]+$")
 
 
 def slug(text: str) -> str:
@@ -101,6 +107,7 @@ class CompileCaches:
         self._interpreters: dict[tuple[str, ...], str | None] = {}  # by argv's head and PATH
         self.in_use: str | None = None  # the folder of the latest launch
         self.folders: list[dict[str, Any]] = []  # as last read (`scan`)
+        self._scanning = asyncio.Lock()  # one scan at a time: a late one never undoes another
 
     # -- before a launch ----------------------------------------------------------------------
 
@@ -143,10 +150,15 @@ class CompileCaches:
             data = {}
         if isinstance(data, dict):
             found = {k: v for k, v in data.items() if isinstance(v, list) and len(v) == 2}
+            # What changes when a package is installed, upgraded or removed: its metadata
+            # folder, and the site-packages folder that holds them all.
+            watched = [str(p) for _, p in found.values() if p]
+            if isinstance(data.get("site"), str):
+                watched.append(data["site"])
             versions = Versions(
                 str(found["sglang"][0]) if "sglang" in found else None,
                 str(found["torch"][0]) if "torch" in found else None,
-                tuple((str(p), _stamp(str(p))) for _, p in found.values() if p),
+                tuple((p, _stamp(p)) for p in watched),
             )
         self._versions[interp] = versions
 
@@ -171,14 +183,28 @@ class CompileCaches:
 
     # -- after a launch is ready --------------------------------------------------------------
 
+    def adopted(self, environ: Mapping[str, str]) -> None:
+        """A server this daemon adopted (its environment as it runs): its folder is in use."""
+        folder = Path(environ.get("SGLANG_CACHE_DIR") or "/")
+        if folder.parent == self.root and OURS.match(folder.name):
+            self.in_use = folder.name
+
     async def scan_and_prune(self) -> list[dict[str, Any]]:
         """Read the folders' sizes and prune them (off the loop); what `/status` shows."""
-        self.folders = await asyncio.to_thread(self._scan_and_prune, self.in_use)
+        async with self._scanning:
+            self.folders = await asyncio.to_thread(self._scan_and_prune)
         return self.folders
 
-    def _scan_and_prune(self, in_use: str | None) -> list[dict[str, Any]]:
+    def _scan_and_prune(self) -> list[dict[str, Any]]:
         try:
-            entries = [p for p in self.root.iterdir() if p.is_dir() and not p.is_symlink()]
+            entries = [
+                p
+                for p in self.root.iterdir()
+                if OURS.match(p.name)
+                and p.is_dir()
+                and not p.is_symlink()
+                and (p / USED_MARK).is_file()
+            ]
         except OSError:
             return []
         # (last used, name, bytes), the least recently used first
@@ -187,13 +213,15 @@ class CompileCaches:
         for entry in list(folders):
             if len(folders) <= self.settings.keep and total <= self.settings.max_bytes:
                 break
-            if entry[1] == in_use:
+            # In use now (read again: a launch may have begun while the sizes were read), or
+            # marked since the listing: kept.
+            if entry[1] == self.in_use or _stamp(str(self.root / entry[1] / USED_MARK)) != entry[0]:
                 continue
             shutil.rmtree(self.root / entry[1], ignore_errors=True)
             folders.remove(entry)
             total -= entry[2]
         return [
-            {"name": name, "bytes": size, "last_used_at": _iso(used), "in_use": name == in_use}
+            {"name": name, "bytes": size, "last_used_at": _iso(used), "in_use": name == self.in_use}
             for used, name, size in reversed(folders)
         ]
 

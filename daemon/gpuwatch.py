@@ -74,6 +74,10 @@ class GpuWatch:
             self._wait_for_gpus(launch, known_ours, unresolved), gen=launch.gen, deadline_s=deadline
         )
 
+    def waiting(self, task: asyncio.Task[Any]) -> None:
+        """`task` leads to the GPU wait (it is cancelled as the wait would be)."""
+        self._gpu_task = task
+
     def cancel_gpu_wait(self) -> None:
         if self._gpu_task is not None:
             self._gpu_task.cancel()

@@ -19,6 +19,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from . import boot
 from .clock import Clock
 from .compilecache import CompileCaches
@@ -234,7 +236,9 @@ class Host:
             await self.caches.learn(argv, env)
             self.gpus.wait_for_gpus(launch, known_ours, unresolved)
 
-        self.tasks.task(learn_then_wait(), gen=launch.gen, name="compile_cache_learn")
+        # The GPU wait's own task until the wait begins (a stop or swap cancels it the same
+        # way; a failure is the GPU wait's, which the machine recovers from).
+        self.gpus.waiting(self.tasks.task(learn_then_wait(), gen=launch.gen, name="wait_for_gpus"))
 
     def cancel_gpu_wait(self) -> None:
         self.gpus.cancel_gpu_wait()
@@ -252,6 +256,9 @@ class Host:
 
     def adopt(self, launch: Launch) -> None:
         self.launching.adopt(launch)
+        if launch.child is not None:  # the compile caches' folder it runs with is in use
+            with contextlib.suppress(psutil.Error):
+                self.caches.adopted(psutil.Process(launch.child.pid).environ())
 
     def abandon(self, server: ServerHandle, log: ServerLog) -> None:
         self.launching.abandon(server, log)
@@ -267,7 +274,7 @@ class Host:
 
     def probe(self, launch: Launch, readiness: bool) -> None:
         self.probes.probe(launch, readiness)
-        if not readiness:  # it is ready: the caches it may have filled, measured and pruned
+        if not readiness and self.caches.settings.enabled:  # ready: its caches, measured
             self.tasks.task(self.caches.scan_and_prune(), name="compile_cache_scan")
 
     def check_listener(self, launch: Launch, how: str) -> None:

@@ -154,6 +154,7 @@ class Launching:
                 path,
                 header,
                 on_lines=lambda lines, parsed: self._on_lines(launch, lines, parsed),
+                starting=lambda: launch.ready_at is None,
                 redact=launch.redactor.text,
                 on_write=self._on_write,
                 max_bytes=self.log_max_bytes,
@@ -229,6 +230,7 @@ class Launching:
             child.log_path,
             [],
             on_lines=lambda lines, parsed: self._on_lines(launch, lines, parsed),
+            starting=lambda: launch.ready_at is None,
             redact=launch.redactor.text,
             file=ShimFile(child, self._on_write),
         )

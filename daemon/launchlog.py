@@ -70,10 +70,12 @@ class LaunchLog:
         on_write: Callable[[str | None], None] | None = None,
         max_bytes: int | None = None,
         file: FileWriter | None = None,
+        starting: Callable[[], bool] = lambda: False,
     ) -> None:
         self.path = path
         self.ring = ring or Ring()
         self.on_lines = on_lines
+        self.starting = starting  # its launch starts: the lines of its phases are looked for
         self.redact = redact or (lambda s: s)
         self.lines = 0
         if file is not None:  # written by another (the shim): it hands on whole lines
@@ -94,7 +96,7 @@ class LaunchLog:
         the file, then to the ring and the parser."""
         data = self.file.feed(chunk, stream)
         if data:
-            self._lines(data[:-1], interesting=_interesting_bytes(data))
+            self._lines(data[:-1], interesting=_interesting_bytes(data, self.starting()))
 
     def _lines(self, data: bytes, interesting: bool) -> None:
         """`data` holds whole lines without the final newline. One decode and one split per
@@ -108,8 +110,9 @@ class LaunchLog:
         self.ring.extend(lines, time.time())
         parsed: list[tuple[str, ParsedLine]] = []
         if interesting:
+            starting = self.starting()
             for line in lines:
-                if _interesting(line):
+                if _interesting(line, starting):
                     result = parse_line(line)
                     if result.ready or result.decode is not None or result.findings or result.phase:
                         parsed.append((line, result))
@@ -120,7 +123,7 @@ class LaunchLog:
         if self.file.closed:
             return
         for _, data in self.file.flush_partials():
-            self._lines(data[:-1], interesting=_interesting_bytes(data))
+            self._lines(data[:-1], interesting=_interesting_bytes(data, self.starting()))
         self.file.close(f"# {escape_controls(trailer)}\n".encode() if trailer else b"")
 
 

@@ -154,7 +154,7 @@ def read_chunk(payload: str) -> tuple[int | None, str | None, bool]:
     the wrong type, or SGLang's error object."""
     try:
         chunk = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nesting deeper than the parser goes)
         raise AnswerError(f"a stream chunk is not JSON: {_excerpt(payload)}") from None
     if not isinstance(chunk, dict):
         raise AnswerError(f"a stream chunk is not a JSON object: {_excerpt(payload)}")
@@ -228,7 +228,7 @@ async def get_json(
                 raise AnswerError(f"{url}: the answer is longer than {limit} bytes")
     try:
         return json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nesting deeper than the parser goes)
         raise AnswerError(f"{url}: the answer is not JSON") from None
 
 

@@ -63,11 +63,12 @@ def record(segments: list[tuple[str, float]]) -> list[list[Any]]:
     return [[phase, round(seconds, 3)] for phase, seconds in segments]
 
 
-def totals(segments: Iterable[Iterable[Any]]) -> dict[str, float]:
-    """Seconds in each phase, in the order of `PHASES` (those it never entered left out)."""
+def totals(value: Any) -> dict[str, float]:
+    """Seconds in each phase of a record's `phases` (checked: see `_segments_of`), in the
+    order of `PHASES` (those it never entered left out)."""
     out: dict[str, float] = {}
-    for phase, seconds in segments:
-        out[str(phase)] = out.get(str(phase), 0.0) + float(seconds)
+    for phase, seconds in _segments_of(value):
+        out[phase] = out.get(phase, 0.0) + seconds
     return {p: round(out[p], 3) for p in PHASES if p in out}
 
 
@@ -104,17 +105,24 @@ def expected(
     return Expected(medians, total, len(runs))
 
 
+MAX_SECONDS = 7 * 86400.0  # a segment longer than a week is no record of a start
+
+
 def _segments_of(value: Any) -> list[tuple[str, float]]:
-    """A history entry's `phases`, checked (a hand-edited state file is no reason to fail)."""
-    if not isinstance(value, list):
+    """A history entry's `phases`, checked: a hand-edited state file is no reason to fail, and
+    a value that is not a record of seconds (a bool, NaN, infinity) makes the whole entry none."""
+    if not isinstance(value, list) or len(value) > MAX_MARKS + 1:
         return []
     out: list[tuple[str, float]] = []
     for item in value:
         if not (isinstance(item, list) and len(item) == 2 and item[0] in PHASES):
             return []
-        if not isinstance(item[1], int | float) or item[1] < 0:
+        seconds = item[1]
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
             return []
-        out.append((item[0], float(item[1])))
+        if not 0 <= seconds <= MAX_SECONDS:  # (NaN fails this too)
+            return []
+        out.append((item[0], float(seconds)))
     return out
 
 

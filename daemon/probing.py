@@ -35,7 +35,7 @@ class Probes:
         failures, until the launch ends."""
         self.tasks.task(self._probe_loop(launch, readiness), launch=launch)
         if not readiness:
-            self.tasks.task(self._read_startup(launch), launch=launch)
+            self.tasks.task(self._read_startup(launch), launch=launch, name="read_startup")
 
     async def _read_startup(self, launch: Launch) -> None:
         """SGLang's own account of its start, once it serves: kept on the launch's record

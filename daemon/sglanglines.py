@@ -35,7 +35,11 @@ _KEYWORDS = (
     "crashed",  # "Subprocess scheduler_0 (pid=N) crashed with exit code"
     "IGQUIT",  # "SIGQUIT received. ... one child failed."
     "igquit",  # "Received sigquit from a child process."
-    # A phase of the start begins (`phase_of`).
+)
+# Looked for only while a launch starts (its phases' lines, `phase_of`), in the spellings
+# SGLang's versions print: a served flood pays nothing for them.
+_START_KEYWORDS = (
+    *_KEYWORDS,
     "oad weight",
     "ache is allocated",
     "emory pool end",
@@ -44,14 +48,15 @@ _KEYWORDS = (
     "vicorn running",
 )
 _KEYWORDS_B = tuple(k.encode() for k in _KEYWORDS)
+_START_KEYWORDS_B = tuple(k.encode() for k in _START_KEYWORDS)
 
 
-def _interesting_bytes(data: bytes) -> bool:
-    return any(k in data for k in _KEYWORDS_B)
+def _interesting_bytes(data: bytes, starting: bool = False) -> bool:
+    return any(k in data for k in (_START_KEYWORDS_B if starting else _KEYWORDS_B))
 
 
-def _interesting(line: str) -> bool:
-    return any(k in line for k in _KEYWORDS)
+def _interesting(line: str, starting: bool = False) -> bool:
+    return any(k in line for k in (_START_KEYWORDS if starting else _KEYWORDS))
 
 
 _ARGPARSE_ERROR = re.compile(

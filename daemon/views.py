@@ -140,7 +140,10 @@ def take(m: Machine) -> Snapshot:
         write_failures=MappingProxyType(dict(m.ledger.write_failures)),
         internal_errors=m.ledger.internal_errors,
         unmanaged=tuple(MappingProxyType(dict(u)) for u in m.ledger.unmanaged),
-        phases=launch.phases if launch is not None and m.state == ServerState.STARTING else None,
+        # (an adopted start's earlier phases were another life's: no phase, no ETA)
+        phases=launch.phases
+        if launch is not None and launch.recorded is None and m.state == ServerState.STARTING
+        else None,
         started_mono=launch.started_mono if launch else None,
         launch_hash=launch.config.config_hash if launch else None,
     )
@@ -222,7 +225,7 @@ def startup_of(
         return None
     return {
         "ready_s": entry.get("ready_s"),
-        "phases": totals(entry.get("phases") or []),
+        "phases": totals(entry.get("phases")),
         "server": entry.get("server_startup"),
     }
 

@@ -108,20 +108,42 @@ async def test_pruning_drops_the_least_recently_used_past_the_bounds_never_the_o
 ) -> None:
     root = tmp_path / "cache"
     caches = CompileCaches(CompileCacheSettings(dir=root, keep=3, max_bytes=10_000), lambda g: None)
-    for i, name in enumerate(["a", "b", "c", "d", "e"]):
+    names = [f"gpu_sglang-0.5.{i}_torch-2.13.0" for i in range(5)]
+    for i, name in enumerate(names):
         (root / name).mkdir(parents=True)
         (root / name / "k.bin").write_bytes(b"x" * 3000)
         (root / name / USED_MARK).touch()
         os.utime(root / name / USED_MARK, ns=(0, (1_000 + i) * 10**9))
-    os.utime(root / "a" / USED_MARK, ns=(0, 999 * 10**9))  # the oldest, but in use
-    caches.in_use = "a"
+    os.utime(root / names[0] / USED_MARK, ns=(0, 999 * 10**9))  # the oldest, but in use
+    caches.in_use = names[0]
+    # What gpuwarden did not make is neither counted nor removed: another program's folder,
+    # one named like ours without the mark, a link.
+    (root / "huggingface").mkdir()
+    (root / "huggingface" / "model.bin").write_bytes(b"x" * 50_000)
+    (root / "gpu_sglang-9_torch-9").mkdir()
+    (root / "gpu_sglang-8_torch-8").symlink_to(root / "huggingface")
     shown = await caches.scan_and_prune()
     # Three kept (the bound), 9000 bytes (under 10 000): the newest two and the one in use.
-    assert [f["name"] for f in shown] == ["e", "d", "a"]
-    assert sorted(p.name for p in root.iterdir()) == ["a", "d", "e"]
+    assert [f["name"] for f in shown] == [names[4], names[3], names[0]]
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        [
+            names[0],
+            names[3],
+            names[4],
+            "huggingface",
+            "gpu_sglang-9_torch-9",
+            "gpu_sglang-8_torch-8",
+        ]
+    )
+    assert (root / "huggingface" / "model.bin").stat().st_size == 50_000
     assert [f["in_use"] for f in shown] == [False, False, True]
     view = caches.view()
     assert view["bytes"] == sum(f["bytes"] for f in shown) >= 9000
     # Past max_bytes alone, too.
     caches.settings = CompileCacheSettings(dir=root, keep=8, max_bytes=7000)
-    assert [f["name"] for f in await caches.scan_and_prune()] == ["e", "a"]
+    assert [f["name"] for f in await caches.scan_and_prune()] == [names[4], names[0]]
+    # An adopted server's folder (from its environment) is in use as well.
+    caches.adopted({"SGLANG_CACHE_DIR": str(root / names[4])})
+    assert caches.in_use == names[4]
+    caches.adopted({"SGLANG_CACHE_DIR": str(tmp_path / "elsewhere")})
+    assert caches.in_use == names[4]

@@ -3,6 +3,7 @@ earlier launches of the same config, and all of it through a real daemon and the
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,9 @@ from typing import Any
 import pytest
 
 from gpuwarden.daemon import phases, startup
+from gpuwarden.daemon.configs import ConfigStore
 from gpuwarden.daemon.sglanglines import parse_line, phase_of
+from gpuwarden.daemon.views import startup_of
 
 from .support.configs import standin_config
 from .support.daemon import start_daemon
@@ -199,3 +202,38 @@ def test_a_start_shows_its_phase_and_eta_and_its_record_keeps_them(
         check=False,
     )
     assert "start took" in out.stdout and "weights" in out.stdout, out.stdout
+
+
+def test_a_hand_edited_record_is_no_reason_to_fail() -> None:
+    for bad in (
+        "abc",
+        5,
+        [["weights"]],
+        [["weights", "x"]],
+        [["weights", True]],
+        [["weights", float("nan")]],
+        [["weights", 1e308]],
+        [["nope", 1.0]],
+    ):
+        entry = {"launch_id": "x", "config": "a", "config_hash": "h", "ready_s": 3.0, "phases": bad}
+        assert startup_of([entry], "x") == {"ready_s": 3.0, "phases": {}, "server": None}, bad
+        assert phases.expected([entry], "a", "h") is None, bad
+
+
+async def test_a_server_info_answer_too_deep_to_parse_is_no_figure(tmp_path: Path) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        body = b"[" * 200_000
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "x.yaml").write_text(
+        f"command: [{PY!r}, -m, gpuwarden.standin]\nargs: {{port: {port}}}\n"
+    )
+    cfg = ConfigStore(tmp_path / "configs").load("x")
+    async with server:
+        assert await startup.read(cfg) is None
