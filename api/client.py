@@ -99,6 +99,15 @@ def _print_start(args: argparse.Namespace, data: dict[str, Any]) -> None:
         print(f"start took {start}")
 
 
+def _starting_phase(args: argparse.Namespace) -> str | None:
+    """The phase of the launch starting now, with its ETA (`loading weights 3.0s · ready in
+    ~9.1s`), or None."""
+    try:
+        return render.phase_text(call(args, "GET", "/status", timeout=5).json().get("phase"))
+    except (ClientError, ValueError, AttributeError):
+        return None
+
+
 def cmd_restart(args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"wait": "true" if args.wait else "false"}
     if args.wait:
@@ -304,10 +313,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             sweep = call(args, "GET", f"/sweeps/{sid}").json()
             if progress is not None:
                 current = sweep.get("current") or "finishing"
+                phase = _starting_phase(args)  # the config being measured may be starting
                 progress.show(
-                    (sweep["done"], current),
+                    (sweep["done"], current, phase and phase.split(" ")[0]),
                     f"[{render.duration(time.monotonic() - t0)}] {sid}: "
-                    f"{sweep['done']}/{sweep['total']} · {current}",
+                    f"{sweep['done']}/{sweep['total']} · {current}"
+                    + (f" · {phase}" if phase else ""),
                 )
     except KeyboardInterrupt:
         if progress is not None:

@@ -146,6 +146,7 @@ def test_cli_sweep_and_cancel_restores(procs: list[Proc], tmp_path: Path, fake_g
     lines = res.stdout.splitlines()
     header = next(line for line in lines if line.startswith("config "))
     assert "|" not in res.stdout and "tok/s (p50)" in header and "TTFT p50 (ms)" in header
+    assert "ready (s)" in header  # each config's time to ready, from its phases
     row = next(line for line in lines if line.startswith("eagle3_cg_5 "))
     assert header.index("flags vs baseline") == row.index("speculative"), (header, row)
     assert "restored: baseline" in res.stdout and "chart.png" in res.stdout
