@@ -40,6 +40,8 @@ from .settings import Settings
 from .store import EventLog, StateStore
 from .tasks import Tasks
 
+AFTER_START_S = 5.0  # how long a launch is ready before its start's records are read
+
 SHIM_RETRY_MAX_S = 30.0
 SHIM_EXIT_WAIT_S = 2.0  # the shim's answer to "exit" at a shutdown without live_restore
 SHIM_FALLBACK = "servers are started by the daemon itself: they do not outlive it"
@@ -274,8 +276,17 @@ class Host:
 
     def probe(self, launch: Launch, readiness: bool) -> None:
         self.probes.probe(launch, readiness)
-        if not readiness and self.caches.settings.enabled:  # ready: its caches, measured
-            self.tasks.task(self.caches.scan_and_prune(), name="compile_cache_scan")
+        if not readiness:
+            self.tasks.task(self._after_start(launch), launch=launch, name="read_startup")
+
+    async def _after_start(self, launch: Launch) -> None:
+        """Ready for `AFTER_START_S`: what is read of a start once it is over (SGLang's own
+        account of it, then the compile caches' sizes, pruned), out of the way of a crash that
+        follows at once (a crash loop's restarts lost about 1 ms to it)."""
+        await self.probes.clock.sleep(AFTER_START_S)
+        await self.probes.read_startup(launch)
+        if self.caches.settings.enabled:
+            await self.caches.scan_and_prune()
 
     def check_listener(self, launch: Launch, how: str) -> None:
         self.probes.check_listener(launch, how)

@@ -34,10 +34,8 @@ class Probes:
         (`ProbeSucceeded`). Liveness: each failure (`ProbeFailed`), and the first success after
         failures, until the launch ends."""
         self.tasks.task(self._probe_loop(launch, readiness), launch=launch)
-        if not readiness:
-            self.tasks.task(self._read_startup(launch), launch=launch, name="read_startup")
 
-    async def _read_startup(self, launch: Launch) -> None:
+    async def read_startup(self, launch: Launch) -> None:
         """SGLang's own account of its start, once it serves: kept on the launch's record
         beside the phases its log showed. Another server (or an older SGLang): nothing."""
         times = await startup.read(launch.config)

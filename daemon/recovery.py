@@ -35,7 +35,7 @@ def on_task_failed(m: Machine, msg: ms.TaskFailed) -> None:
         case "wait_for_gpus":  # retried
             if launch and m.state == ServerState.WAITING_GPU and not launch.spawning:
                 m.fail(launch, Classification("internal_error", evidence))
-        case "read_startup" | "compile_cache_scan":  # records of a launch: it serves on
+        case "read_startup":  # records of a launch's start (and the caches'): it serves on
             pass
         case "stop_previous":  # as stopped: the GPU wait kills what holds GPUs
             restoring.boot_go_on(m, "")

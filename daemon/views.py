@@ -221,12 +221,15 @@ def startup_of(
     """How a launch's start went: the seconds from its exec to ready, each phase's total, and
     SGLang's own account where it gave one (`server`). None before it was ready."""
     entry = history.find(entries, launch_id)
-    if entry is None or entry.get("ready_s") is None:
-        return None
+    ready_s = entry.get("ready_s") if entry is not None else None
+    number = isinstance(ready_s, int | float) and not isinstance(ready_s, bool)
+    if entry is None or not (number and 0 <= ready_s < 1e9):  # type: ignore[operator]
+        return None  # (not ready, or a hand-edited record that says no number)
+    server = entry.get("server_startup")
     return {
-        "ready_s": entry.get("ready_s"),
+        "ready_s": ready_s,
         "phases": totals(entry.get("phases")),
-        "server": entry.get("server_startup"),
+        "server": server if isinstance(server, dict) else None,
     }
 
 

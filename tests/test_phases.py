@@ -173,7 +173,7 @@ def test_a_start_shows_its_phase_and_eta_and_its_record_keeps_them(
     assert start["ready_s"] == pytest.approx(sum(start["phases"].values()), abs=0.01)
     assert start["phases"]["weights"] >= 4 * 0.3  # four shards of 1 s, time-scaled
     # SGLang's own account (the stand-in's, as 0.5.23 serves it), read once it serves.
-    wait_until(lambda: d.status()["startup"]["server"] is not None, 10, "/server_info's")
+    wait_until(lambda: d.status()["startup"]["server"] is not None, 20, "/server_info's")
     server = d.status()["startup"]["server"]
     assert server["load_weight"] == pytest.approx(start["phases"]["weights"], abs=0.3)
     assert server["cuda_graph"]["decode"] > 0
@@ -218,6 +218,9 @@ def test_a_hand_edited_record_is_no_reason_to_fail() -> None:
         entry = {"launch_id": "x", "config": "a", "config_hash": "h", "ready_s": 3.0, "phases": bad}
         assert startup_of([entry], "x") == {"ready_s": 3.0, "phases": {}, "server": None}, bad
         assert phases.expected([entry], "a", "h") is None, bad
+    for ready_s in ("3", True, float("nan"), float("inf"), -1):
+        entry = {"launch_id": "x", "ready_s": ready_s, "phases": [["weights", 1.0]]}
+        assert startup_of([entry], "x") is None, ready_s
 
 
 async def test_a_server_info_answer_too_deep_to_parse_is_no_figure(tmp_path: Path) -> None:
