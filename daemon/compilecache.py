@@ -9,10 +9,10 @@ asked once per interpreter (`learn`, before the launch's GPU wait) and asked aga
 packages change (their metadata folders are stat'ed at each launch: microseconds). A command
 that is not a Python of SGLang (or the stand-in) gets the `unknown` versions' folder.
 
-Sizes are read off the loop after each launch is ready, and folders are pruned then: the
-least recently used first, past `keep` folders or `max_bytes` in all, never one in use. Only
-folders gpuwarden made are ever counted or removed (named as `folder_name` names them, with
-its mark inside): anything else under `compile_cache.dir` is left alone.
+Sizes are read off the loop once a launch has been ready for 5 s (`host.py`), and folders are
+pruned then: the least recently used first, past `keep` folders or `max_bytes` in all, never
+one in use. Only folders gpuwarden made are ever counted or removed (named as `folder_name`
+names them, with its mark inside): anything else under `compile_cache.dir` is left alone.
 """
 
 from __future__ import annotations
