@@ -89,8 +89,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _print_start(args: argparse.Namespace, data: dict[str, Any]) -> None:
     """After a restart that reached ready: where its start went (`start took: 41.2s: ...`)."""
-    if data.get("state") != "ready":
-        return
+    if data.get("outcome") != "ready" or data.get("state") != "ready":
+        return  # (a rollback's start is not the one asked for)
     try:
         start = render.startup_text(call(args, "GET", "/status", timeout=5).json().get("startup"))
     except (ClientError, ValueError, AttributeError):
