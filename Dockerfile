@@ -7,7 +7,8 @@
 #     docker build --target sglang -t gpuwarden:sglang .
 #     docker run --gpus all --ipc=host --shm-size 32g -p 8600:8600 \
 #       -v /etc/gpuwarden:/etc/gpuwarden:ro -v /models:/models:ro -v gpuwarden-state:/var/lib/gpuwarden \
-#       gpuwarden:sglang
+#       -v gpuwarden-cache:/var/cache/gpuwarden gpuwarden:sglang
+#     (the cache volume keeps SGLang's JIT and compile caches across containers)
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 # An SGLang image whose python3 is 3.11 or newer (the build checks it).
 ARG BASE_IMAGE=lmsysorg/sglang:v0.5.5-cu129
@@ -58,6 +59,7 @@ COPY standin standin
 RUN python3 -m pip install --no-cache-dir '.[charts]' && gpuwarden --help > /dev/null
 ENV GPUWARDEN_STATE_DIR=/var/lib/gpuwarden \
     GPUWARDEN_LOG_DIR=/var/log/gpuwarden \
+    GPUWARDEN_COMPILE_CACHE__DIR=/var/cache/gpuwarden/compile \
     GPUWARDEN_LISTEN=0.0.0.0:8600
 EXPOSE 8600
 # Healthy while SGLang is ready (/readyz); a real model loads for minutes, hence the start period.
