@@ -69,7 +69,8 @@ class Ledger:
                     return False
                 if msg.startup is not None and launch.launch_id:
                     self.history.amend(launch.launch_id, {"server_startup": dict(msg.startup)})
-                elif msg.figures:
+                    return True  # on the launch's record in state.json
+                if msg.figures:
                     self.note_figures(launch, dict(msg.figures), "sglang_metrics")
             case GpuSampled():
                 return self.note_gpus(msg, launch)

@@ -127,7 +127,7 @@ class Machine:
                 restoring.boot_go_on(self, msg.previous.launch_id if msg.previous.alive else "")
             # Records that decide nothing, and the state file's writes.
             case ms.ServerFiguresRead() | ms.OrphansKilled() | ms.WriteHealthChanged():
-                self.ledger.note(msg, self.launch)
+                self.dirty |= self.ledger.note(msg, self.launch)  # (True: on record, saved)
             case ms.EventNoted():
                 self.event(msg.kind, **msg.fields)
             case ms.StateSaved():

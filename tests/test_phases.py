@@ -4,6 +4,7 @@ earlier launches of the same config, and all of it through a real daemon and the
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,17 @@ def test_a_start_shows_its_phase_and_eta_and_its_record_keeps_them(
     server = d.status()["startup"]["server"]
     assert server["load_weight"] == pytest.approx(start["phases"]["weights"], abs=0.3)
     assert server["cuda_graph"]["decode"] > 0
+    # On the launch's record in state.json, saved as it came (a daemon killed now keeps it).
+    launch_id = d.status()["launch_id"]
+
+    def recorded() -> dict[str, Any]:
+        state = json.loads((tmp_path / "state" / "state.json").read_text())
+        return next(e for e in state["launches"] if e["launch_id"] == launch_id)
+
+    wait_until(lambda: "server_startup" in recorded(), 10, "the record saved")
+    entry = recorded()
+    assert entry["server_startup"] == server and entry["ready_s"] == start["ready_s"]
+    assert [p for p, _ in entry["phases"]][:2] == ["init", "weights"]
 
     # The next start of the same config has an ETA, shown by `status` and the record.
     mark = d.mark()
