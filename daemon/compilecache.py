@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +29,9 @@ from typing import Any
 
 from gpuwarden.standin.argspec import split_command
 
+from .model import utc_iso
 from .server.helpers import run_helper
-from .serverparser import script_interpreter
+from .serverparser import server_interpreter
 from .settings import CompileCacheSettings
 
 LEARN_TIMEOUT_S = 30.0
@@ -68,7 +68,7 @@ print(json.dumps(out))
 class Versions:
     sglang: str | None
     torch: str | None
-    stamps: tuple[tuple[str, int], ...]  # the packages' metadata folders, as they were
+    stamps: tuple[tuple[str, int], ...]  # its packages' folders and site-packages, as they were
 
 
 # The names `folder_name` gives: only these are counted and pruned.
@@ -115,14 +115,7 @@ class CompileCaches:
         """The server's Python, as its PATH finds it (remembered: a launch asks at once)."""
         key = (*argv[:3], env.get("PATH") or "")
         if key not in self._interpreters:
-            cli = split_command(argv)
-            interp = cli.interpreter
-            if interp is None and cli.module == "sglang.launch_server":
-                interp = script_interpreter(cli.program[0], env.get("PATH"))
-            elif interp is None and Path(argv[0]).name.startswith("python"):
-                interp = argv[0]  # python script.py
-            found = (shutil.which(interp, path=env.get("PATH")) or interp) if interp else None
-            self._interpreters[key] = found
+            self._interpreters[key] = server_interpreter(split_command(argv), env.get("PATH"))
         return self._interpreters[key]
 
     def known(self, argv: list[str], env: Mapping[str, str]) -> bool:
@@ -221,7 +214,12 @@ class CompileCaches:
             folders.remove(entry)
             total -= entry[2]
         return [
-            {"name": name, "bytes": size, "last_used_at": _iso(used), "in_use": name == self.in_use}
+            {
+                "name": name,
+                "bytes": size,
+                "last_used_at": utc_iso(used / 1e9) if used else None,
+                "in_use": name == self.in_use,
+            }
             for used, name, size in reversed(folders)
         ]
 
@@ -243,10 +241,3 @@ def _size(path: Path) -> int:
             except OSError:
                 continue
     return total
-
-
-def _iso(ns: int) -> str | None:
-    if not ns:
-        return None
-    ts = ns / 1e9
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))

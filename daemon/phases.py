@@ -108,6 +108,14 @@ def expected(
 MAX_SECONDS = 7 * 86400.0  # a segment longer than a week is no record of a start
 
 
+def seconds(value: Any) -> float | None:
+    """`value` as a duration of a start, or None where it is none (a bool, a string, NaN,
+    infinity, below zero, past a week): what a record or a server's answer says is input."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if 0 <= value <= MAX_SECONDS else None  # (NaN fails the comparison)
+
+
 def _segments_of(value: Any) -> list[tuple[str, float]]:
     """A history entry's `phases`, checked: a hand-edited state file is no reason to fail, and
     a value that is not a record of seconds (a bool, NaN, infinity) makes the whole entry none."""
@@ -117,12 +125,10 @@ def _segments_of(value: Any) -> list[tuple[str, float]]:
     for item in value:
         if not (isinstance(item, list) and len(item) == 2 and item[0] in PHASES):
             return []
-        seconds = item[1]
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        took = seconds(item[1])
+        if took is None:
             return []
-        if not 0 <= seconds <= MAX_SECONDS:  # (NaN fails this too)
-            return []
-        out.append((item[0], float(seconds)))
+        out.append((item[0], took))
     return out
 
 

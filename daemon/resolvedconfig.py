@@ -116,8 +116,12 @@ class ResolvedConfig:
         `--enable-metrics`): the health URL's scheme, host and port, path `/metrics`."""
         if "--enable-metrics" not in self.argv:
             return None
+        return self.server_url("/metrics")
+
+    def server_url(self, path: str) -> str:
+        """A route of the server: the health URL's scheme, host and port, and `path`."""
         parts = urlsplit(self.health_url)
-        return urlunsplit((parts.scheme, parts.netloc, "/metrics", "", ""))
+        return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
     @property
     def gpus(self) -> list[str] | None:

@@ -169,12 +169,8 @@ class ServerParsers:
         self, cli: ServerCli, env: dict[str, str]
     ) -> tuple[ParserSpec | None, list[str]]:
         warnings: list[str] = []
-        interpreter = cli.interpreter
-        if interpreter is None and cli.module == "sglang.launch_server":
-            # `sglang serve`: the console script's own Python builds the same parser.
-            interpreter = script_interpreter(cli.program[0], env.get("PATH"))
-        if cli.module in _SCRIPTS and interpreter is not None:
-            interp = shutil.which(interpreter) or interpreter
+        interp = server_interpreter(cli, env.get("PATH"))
+        if cli.module in _SCRIPTS and interp is not None:
             vflags = _version_flags(cli.args)
             try:
                 stamp = Path(interp).resolve().stat().st_mtime_ns  # noqa: ASYNC240 - one stat
@@ -240,6 +236,18 @@ class ServerParsers:
         spec = ParserSpec(prog=prog, version="", options=options, exact=False)
         self._cache[key] = spec
         return spec, [*warnings, "options rebuilt from --help: value types are not checked"]
+
+
+def server_interpreter(cli: ServerCli, path: str | None) -> str | None:
+    """The Python that runs a server command, found on `path`: `python -m MODULE`'s, a
+    `sglang serve` console script's (its own Python builds the same parser), `python
+    script.py`'s. None for any other program."""
+    interp = cli.interpreter
+    if interp is None and cli.module == "sglang.launch_server":
+        interp = script_interpreter(cli.program[0], path)
+    elif interp is None and Path(cli.program[0]).name.startswith("python"):
+        interp = cli.program[0]
+    return (shutil.which(interp, path=path) or interp) if interp else None
 
 
 def script_interpreter(program: str, path: str | None) -> str | None:

@@ -6,13 +6,12 @@ server serves. A server without it (an older SGLang, another program) answers ot
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
 from .load import AnswerError, get_json
+from .phases import seconds
 
 if TYPE_CHECKING:
     from .resolvedconfig import ResolvedConfig
@@ -23,8 +22,7 @@ _FIELDS = ("load_weight", "kv_cache_allocation", "scheduler_e2e", "tokenizer_e2e
 
 
 async def read(config: ResolvedConfig) -> dict[str, Any] | None:
-    parts = urlsplit(config.health_url)
-    url = urlunsplit((parts.scheme, parts.netloc, "/server_info", "", ""))
+    url = config.server_url("/server_info")
     key = config.server_option("--api-key")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     with contextlib.suppress(httpx.HTTPError, AnswerError, OSError, ValueError):
@@ -39,19 +37,12 @@ def checked(value: Any) -> dict[str, Any] | None:
     anything else is left out), or None where it has none."""
     if not isinstance(value, dict):
         return None
-    out: dict[str, Any] = {k: round(float(value[k]), 3) for k in _FIELDS if _seconds(value.get(k))}
+    out: dict[str, Any] = {
+        k: round(s, 3) for k in _FIELDS if (s := seconds(value.get(k))) is not None
+    }
     graphs = value.get("cuda_graph")
     if isinstance(graphs, dict):
-        kept = {str(k)[:64]: round(float(v), 3) for k, v in graphs.items() if _seconds(v) and v}
+        kept = {str(k)[:64]: round(s, 3) for k, v in graphs.items() if (s := seconds(v))}
         if kept:
             out["cuda_graph"] = dict(list(kept.items())[:16])
     return out or None
-
-
-def _seconds(value: Any) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and 0 <= value < 1e7
-    )

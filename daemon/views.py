@@ -18,7 +18,7 @@ from .configs import ConfigError, ConfigStore
 from .gpustate import GpuProcess, GpuSnapshot, owner_of
 from .launchlog import LaunchLog
 from .model import utc_iso
-from .phases import PhaseClock, expected, now, totals
+from .phases import PhaseClock, expected, now, seconds, totals
 from .redact import Fingerprints, Redactor
 from .states import ServerState
 
@@ -221,9 +221,8 @@ def startup_of(
     """How a launch's start went: the seconds from its exec to ready, each phase's total, and
     SGLang's own account where it gave one (`server`). None before it was ready."""
     entry = history.find(entries, launch_id)
-    ready_s = entry.get("ready_s") if entry is not None else None
-    number = isinstance(ready_s, int | float) and not isinstance(ready_s, bool)
-    if entry is None or not (number and 0 <= ready_s < 1e9):  # type: ignore[operator]
+    ready_s = seconds(entry.get("ready_s")) if entry is not None else None
+    if entry is None or ready_s is None:
         return None  # (not ready, or a hand-edited record that says no number)
     server = entry.get("server_startup")
     return {
