@@ -87,25 +87,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     return code
 
 
+def _status_field(args: argparse.Namespace, key: str) -> Any:
+    """One field of `/status`, or None where the daemon does not answer it (a progress line
+    or a closing remark is no reason to fail the command)."""
+    try:
+        return call(args, "GET", "/status", timeout=5).json().get(key)
+    except (ClientError, ValueError, AttributeError):
+        return None
+
+
 def _print_start(args: argparse.Namespace, data: dict[str, Any]) -> None:
     """After a restart that reached ready: where its start went (`start took: 41.2s: ...`)."""
     if data.get("outcome") != "ready" or data.get("state") != "ready":
         return  # (a rollback's start is not the one asked for)
-    try:
-        start = render.startup_text(call(args, "GET", "/status", timeout=5).json().get("startup"))
-    except (ClientError, ValueError, AttributeError):
-        return
+    start = render.startup_text(_status_field(args, "startup"))
     if start:
         print(f"start took {start}")
-
-
-def _starting_phase(args: argparse.Namespace) -> str | None:
-    """The phase of the launch starting now, with its ETA (`loading weights 3.0s · ready in
-    ~9.1s`), or None."""
-    try:
-        return render.phase_text(call(args, "GET", "/status", timeout=5).json().get("phase"))
-    except (ClientError, ValueError, AttributeError):
-        return None
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
@@ -313,7 +310,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             sweep = call(args, "GET", f"/sweeps/{sid}").json()
             if progress is not None:
                 current = sweep.get("current") or "finishing"
-                phase = _starting_phase(args)  # the config being measured may be starting
+                # The config being measured may be starting: its phase and ETA.
+                phase = render.phase_text(_status_field(args, "phase"))
                 progress.show(
                     (sweep["done"], current, phase and phase.split(" ")[0]),
                     f"[{render.duration(time.monotonic() - t0)}] {sid}: "

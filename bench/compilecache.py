@@ -14,8 +14,6 @@ private /tmp under systemd, a rebooted machine).
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -24,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.core import Daemon
+from bench.core import Daemon, measured_on
 from tests.real import env as real_env
 from tests.support.procs import free_port
 
@@ -103,12 +101,10 @@ def main() -> int:
         kept = launches(Path(tmp) / "kept", env, args.launches, persist=True)
         fresh = launches(Path(tmp) / "fresh", env, args.launches, persist=False)
     folders = kept[-1]["cache"]["folders"]
-    cpu = platform.processor() or platform.machine()
     lines = [
         "# The compile phase, first and again",
         "",
-        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu} "
-        f"({os.cpu_count()} cores): "
+        f"{measured_on()}: "
         + (
             f"{GPU_PYTHON}'s torch, torch.compile of four transformer layers on CUDA by "
             if GPU_PYTHON

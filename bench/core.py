@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import platform
 import socket
 import subprocess
 import sys
@@ -105,6 +107,15 @@ class Daemon:
         self.proc.terminate()
         self.proc.wait(30)
         self.log.close()
+
+
+def measured_on() -> str:
+    """`Measured <time> on <cpu> (<n> cores), Python <v>`: how a results file begins."""
+    cpu = platform.processor() or platform.machine()
+    return (
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu} "
+        f"({os.cpu_count()} cores), Python {platform.python_version()}"
+    )
 
 
 def ts(record: dict[str, Any]) -> float:

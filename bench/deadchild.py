@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.core import Daemon, ts
+from bench.core import Daemon, measured_on, ts
 from tests.real import env as real_env
 from tests.real.conftest import sglang_config
 from tests.support.configs import standin_config
@@ -122,12 +121,10 @@ def main() -> int:
             real = rounds(sglang_config(env, free_port()), args.rounds_real, Path(tmp), "sglang")
         elif args.rounds_real:
             print(f"the real SGLang environment is not built ({env}): `make test-real` builds it")
-    cpu = platform.processor() or platform.machine()
     lines = [
         "# A dead detokenizer: SGLang's crash line -> group gone -> next exec",
         "",
-        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu} "
-        f"({os.cpu_count()} cores), Python {platform.python_version()}; SGLang 0.5.23 on the "
+        f"{measured_on()}; SGLang 0.5.23 on the "
         f"CPU with its defaults (the 60 s coredump wait on), {len(real)} rounds; the stand-in "
         f"(0.5.23 profile), {len(standin)} rounds. Medians (max). Reproduce: "
         "`python bench/deadchild.py`.",

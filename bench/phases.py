@@ -14,8 +14,6 @@ skipped, saying so, where it is not built).
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -25,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.core import Daemon, pct
+from bench.core import Daemon, measured_on, pct
 from tests.real import env as real_env
 from tests.real.conftest import sglang_config
 from tests.support.configs import standin_config
@@ -112,12 +110,10 @@ def main() -> int:
             )
         elif args.launches_real:
             print(f"the real SGLang environment is not built ({env}): `make test-real` builds it")
-    cpu = platform.processor() or platform.machine()
     lines = [
         "# A start's phases, and the ETA while it starts",
         "",
-        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu} "
-        f"({os.cpu_count()} cores), Python {platform.python_version()}: the stand-in (0.5.23 "
+        f"{measured_on()}: the stand-in (0.5.23 "
         f"profile, time scale {args.scale:g}), {len(standin)} starts of one config; SGLang 0.5.23 "
         f"on the CPU (tiny model), {len(real)} starts. ETA error: (reading time + eta_s - "
         "ready_at) / time to ready, for every `/status` read every 100 ms while it started. "

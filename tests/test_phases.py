@@ -197,23 +197,16 @@ def test_a_start_shows_its_phase_and_eta_and_its_record_keeps_them(
     seen.clear()
     wait_until(loading, 30, "the second start to load its weights")
     assert seen[-1]["eta_s"] is not None and 0 < seen[-1]["eta_s"] < start["ready_s"]
-    out = subprocess.run(
-        [PY, "-m", "gpuwarden.api.cli", "status", "--url", d.url],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    assert "loading weights" in out.stdout and "ready in ~" in out.stdout, out.stdout
+
+    def cli_status() -> str:
+        argv = [PY, "-m", "gpuwarden.api.cli", "status", "--url", d.url]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False).stdout
+
+    out = cli_status()
+    assert "loading weights" in out and "ready in ~" in out, out
     d.wait_state("ready", after=mark)
-    out = subprocess.run(
-        [PY, "-m", "gpuwarden.api.cli", "status", "--url", d.url],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    assert "start took" in out.stdout and "weights" in out.stdout, out.stdout
+    out = cli_status()
+    assert "start took" in out and "weights" in out, out
 
 
 def test_a_hand_edited_record_is_no_reason_to_fail() -> None:
