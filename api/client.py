@@ -73,6 +73,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if st.get("swap"):
         sw = st["swap"]
         rows.append(("swap", f"{sw['id']}: {sw['from']} -> {sw['to']} ({sw['phase']})"))
+        prewarm = render.prewarm_text(sw.get("prewarm"))
+        if prewarm:
+            rows.append(("pre-warm", prewarm.removeprefix("pre-warm ")))
     if st.get("rolled_back_from"):
         rows.append(("rolled back from", st["rolled_back_from"]))
     metrics = st.get("server_metrics") or {}

@@ -67,6 +67,11 @@ def _progress_line(
     parts = [f"[{render.duration(elapsed)}]", state]
     if swap.get("phase") and swap.get("phase") != state:
         parts.append(f"swap {swap['phase']}")
+    prewarm = (
+        render.prewarm_text(swap.get("prewarm")) if swap.get("phase") == "prewarming" else None
+    )
+    if prewarm:
+        parts.append(prewarm)
     phase = st.get("phase") if state == "starting" else None
     if phase:
         parts.append(render.phase_text(phase) or "")

@@ -153,6 +153,29 @@ def phase_text(phase: dict[str, Any] | None) -> str | None:
     return text
 
 
+def size(n: float) -> str:
+    """`48 MiB`, `3.4 GiB`."""
+    mib = n / 1024**2
+    return f"{mib / 1024:.1f} GiB" if mib >= 1024 else f"{mib:.0f} MiB"
+
+
+def prewarm_text(prewarm: Any) -> str | None:
+    """`pre-warm 1.2 GiB/3.4 GiB read · 512 MiB cached` (a swap's read of the next weights),
+    with how it ended once it has."""
+    if not isinstance(prewarm, dict):
+        return None
+    read, total, cached = (prewarm.get(k) for k in ("read_bytes", "total_bytes", "cached_bytes"))
+    if not (isinstance(read, int) and isinstance(total, int) and isinstance(cached, int)):
+        return None
+    text = f"pre-warm {size(read)}/{size(max(0, total - cached))} read"
+    if cached:
+        text += f" · {size(cached)} cached"
+    state = prewarm.get("state")
+    if state != "reading":
+        text += f" · {safe(str(state))}"
+    return text
+
+
 def short(seconds: float) -> str:
     """`0.8s`, `42.1s`, then as `duration` from a minute on."""
     return f"{max(0.0, seconds):.1f}s" if seconds < 60 else duration(seconds)

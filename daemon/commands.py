@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any
 from . import errors
 from . import messages as ms
 from .errors import CommandError
-from .model import Next
+from .model import Next, PrewarmProgress
 from .states import LIVE_STATES, RUNNING_STATES, ServerState
 
 if TYPE_CHECKING:
     from .machine import Machine
+    from .resolvedconfig import ResolvedConfig
 
 LEFT_RUNNING = "live_restore: the server runs on under the shim; the daemon's next start adopts it"
 
@@ -71,6 +72,7 @@ def stop(m: Machine, msg: ms.StopRequested) -> dict[str, Any]:
     # A boot under way starts nothing (the previous life's server still goes).
     m.booting.stop()
     if m.swaps.active() is not None:
+        m.host.cancel_prewarm()
         m.swaps.settle(
             "failed", "requested_stop", "stopped on request during the swap", m.intent.config
         )
@@ -105,9 +107,35 @@ def restart(m: Machine, msg: ms.RestartRequested) -> dict[str, Any]:
         m.probation_passed(serving, detail="a swap began while it served")
     swap_id = f"swap-{m.launch_seq + 1}-{int(m.clock.time())}"
     last_good = (m.intent.last_good_config, msg.last_good)
-    swap = m.swaps.begin(swap_id, cfg, current, serving, last_good)
+    # A swap away from a ready server reads the new config's weights first, as it serves on.
+    prewarm = (
+        PrewarmProgress(files=len(msg.weights))
+        if m.settings.prewarm.enabled
+        and msg.weights
+        and cfg.name != current
+        and m.state == ServerState.READY
+        else None
+    )
+    swap = m.swaps.begin(swap_id, cfg, current, serving, last_good, prewarm=prewarm)
     m.retries.reset()
     m.set_intent(cfg.name, True)
+    if prewarm is not None:
+        m.event("prewarm_began", swap_id=swap.id, files=len(msg.weights))
+        m.host.prewarm(swap.id, msg.weights, prewarm)
+    else:
+        swap_on(m, cfg)
+    return {"accepted": True, "config": cfg.name, "state": str(m.state), "swap_id": swap.id}
+
+
+def prewarm_ended(m: Machine, msg: ms.PrewarmEnded) -> None:
+    """The swap's pre-warm is over (done, or given up): the old server is stopped now."""
+    cfg = m.swaps.prewarm_ended(msg.swap_id, msg.outcome, msg.detail)
+    if cfg is not None:
+        swap_on(m, cfg)
+
+
+def swap_on(m: Machine, cfg: ResolvedConfig) -> None:
+    """A restart or swap goes on to `cfg`: what runs is stopped first, else it starts now."""
     launch = m.launch
     if (
         m.state in (*RUNNING_STATES, ServerState.WAITING_GPU)
@@ -118,7 +146,16 @@ def restart(m: Machine, msg: ms.RestartRequested) -> dict[str, Any]:
     else:
         m.cancel_waits()
         m.begin_attempt(cfg)
-    return {"accepted": True, "config": cfg.name, "state": str(m.state), "swap_id": swap.id}
+
+
+def sweep_marked(m: Machine, msg: ms.SweepBegan | ms.SweepEnded) -> None:
+    """A sweep began (on record: a later life ends it, `sweep_interrupted`), or ended."""
+    if isinstance(msg, ms.SweepBegan):
+        m.intent.sweep, m.intent.sweep_restore_to = msg.sweep_id, msg.restore_to
+        m.persist()
+    elif m.intent.sweep == msg.sweep_id:
+        m.intent.sweep, m.intent.sweep_restore_to = None, None
+        m.persist()
 
 
 def shutdown(m: Machine, msg: ms.ShutdownRequested) -> None:

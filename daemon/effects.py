@@ -7,14 +7,14 @@ out (`host.py` and its parts, `server/`), and an import contract in `make lint` 
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
-from pathlib import PurePath
+from collections.abc import Callable, Sequence
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from .gpustate import KnownOurs
     from .messages import Message
-    from .model import Launch, PreviousServer
+    from .model import Launch, PreviousServer, PrewarmProgress
 
 
 class ServerLog(Protocol):
@@ -101,5 +101,7 @@ class Effects(Protocol):
     def save_again(self) -> None: ...
     def prune_logs(self, protect: set[str], order: list[str]) -> None: ...
     def swap_settled(self, swap_id: str, outcome: dict[str, Any]) -> None: ...
+    def prewarm(self, swap_id: str, files: Sequence[Path], progress: PrewarmProgress) -> None: ...
+    def cancel_prewarm(self) -> None: ...
     def stop_previous(self, previous: PreviousServer) -> None: ...
     def boot_start(self, config: str, rollback: str | None) -> None: ...

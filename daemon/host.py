@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -31,6 +31,7 @@ from .gpuwatch import GpuWatch, SampleTarget
 from .health import Prober
 from .launching import Launching
 from .messages import BootBegan, EventNoted, Message, PreviousServerStopped
+from .prewarm import Prewarmer
 from .probing import Probes
 from .records import Records
 from .retrying import Retry
@@ -51,9 +52,11 @@ SHIM_LOST = (
 )
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from .effects import ServerHandle, ServerLog
     from .gpustate import KnownOurs
-    from .model import Launch, PreviousServer
+    from .model import Launch, PreviousServer, PrewarmProgress
     from .preflight import Preflight
 
 SETTLED_KEPT = 32  # outcomes of settled swaps kept for `restart --wait` callers
@@ -107,6 +110,7 @@ class Host:
         self.exit_sweep = ExitSweep(gpus=self.gpus, tasks=tasks, post=post)
         self.probes = Probes(prober=prober, clock=clock, tasks=tasks, post=post)
         self.retry = Retry(configs=configs, clock=clock, tasks=tasks, post=post)
+        self.prewarmer = Prewarmer(settings.prewarm, tasks, post)
         self.line_listeners = self.launching.line_listeners  # raw: redact to serve
         self.event_listeners = self.records.listeners
         self._settled: dict[str, asyncio.Future[dict[str, Any]]] = {}
@@ -176,6 +180,8 @@ class Host:
                     await asyncio.wait_for(self.shim.request("exit"), SHIM_EXIT_WAIT_S)
             self.shim.close()  # with live_restore, the shim and its servers run on
         await self.records.close()
+        self.prewarmer.cancel()  # its thread ends within a chunk: the daemon's exit waits for it
+        self.prewarmer.release("the daemon stopped")
         self.tasks.cancel_all()
         await self.probes.close()
 
@@ -211,6 +217,7 @@ class Host:
         self.records.prune_logs(protect, order)
 
     def swap_settled(self, swap_id: str, outcome: dict[str, Any]) -> None:
+        self.prewarmer.release("the swap settled")  # the new server has read what it held
         fut = self.settled(swap_id)
         if not fut.done():
             fut.set_result(outcome)
@@ -223,6 +230,12 @@ class Host:
         if fut is None:
             fut = self._settled[swap_id] = asyncio.get_running_loop().create_future()
         return fut
+
+    def prewarm(self, swap_id: str, files: Sequence[Path], progress: PrewarmProgress) -> None:
+        self.prewarmer.start(swap_id, files, progress)
+
+    def cancel_prewarm(self) -> None:
+        self.prewarmer.cancel()
 
     # -- the GPUs --------------------------------------------------------------------------------
 

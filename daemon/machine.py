@@ -110,15 +110,12 @@ class Machine:
                 return commands.stop(self, msg)
             case ms.RestartRequested():
                 return commands.restart(self, msg)
+            case ms.PrewarmEnded():
+                commands.prewarm_ended(self, msg)
             case ms.ShutdownRequested():
                 return commands.shutdown(self, msg)
-            case ms.SweepBegan():
-                self.intent.sweep, self.intent.sweep_restore_to = msg.sweep_id, msg.restore_to
-                self.persist()  # on record: a later life ends it (sweep_interrupted)
-            case ms.SweepEnded():
-                if self.intent.sweep == msg.sweep_id:
-                    self.intent.sweep, self.intent.sweep_restore_to = None, None
-                    self.persist()
+            case ms.SweepBegan() | ms.SweepEnded():
+                commands.sweep_marked(self, msg)
             # The boot.
             case ms.BootBegan():
                 restoring.on_boot_began(self, msg)
@@ -202,8 +199,8 @@ class Machine:
         self.gen += 1
         swap = self.swaps.active()
         self.launch = Launch(gen=self.gen, config=cfg, swap=swap, rollback=rollback)
-        if swap is not None:
-            self.swaps.attempt_began(swap)
+        if swap is not None and self.swaps.attempt_began(swap):
+            self.host.cancel_prewarm()  # the old server ended first: the new one reads them now
         if self.state != ServerState.WAITING_GPU:
             # STOPPED|STOPPING|BACKOFF|FAILED -> WAITING_GPU
             self.transition(ServerState.WAITING_GPU, config=cfg.name)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 from .sglanglines import ParsedLine
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from .effects import ServerHandle, ServerLog
     from .gpustate import GpuSnapshot
     from .listener import ListenerCheck
@@ -51,6 +53,7 @@ class RestartRequested:
     # The last good config, read ahead: what a failed swap rolls back to when nothing serves.
     last_good: ResolvedConfig | None = None
     ensure: bool = False  # nothing to do when this config is already ready (a sweep's step)
+    weights: tuple[Path, ...] = ()  # its weight files, found before: a swap pre-warms them
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,15 @@ class GraceExpired:
 class SweepFinished:
     gen: int
     killed: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class PrewarmEnded:
+    """A swap's pre-warm is over: `outcome` done, abandoned (memory) or failed (a read)."""
+
+    swap_id: str
+    outcome: str
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -294,6 +306,7 @@ Message = (
     | GraceExpired
     | SweepFinished
     | BackoffElapsed
+    | PrewarmEnded
     | StableUptimeReached
     | EventNoted
     | ProbationOver

@@ -2,8 +2,9 @@
 follows an exit.
 
 The machine (`machine.py`) and its parts are the only writers of these (`Launch` says which
-part writes which of its fields), with one exception stated on `Launch`: the log pipeline
-appends a launch's findings as its lines arrive.
+part writes which of its fields), with two exceptions: the log pipeline appends a launch's
+findings as its lines arrive (stated on `Launch`), and a swap's pre-warm reader writes its
+`PrewarmProgress` as it reads.
 """
 
 from __future__ import annotations
@@ -175,6 +176,35 @@ class Launch:
         return self.findings
 
 
+@dataclass
+class PrewarmProgress:
+    """A swap's page-cache pre-warm as it goes (`prewarm.py`): written by its reader's thread
+    alone once the machine has made it, read by `/status`."""
+
+    files: int = 0
+    total_bytes: int = 0  # the files' sizes
+    cached_bytes: int = 0  # found in the page cache already (not read again)
+    read_bytes: int = 0  # read into it by the pre-warm
+    held_bytes: int = 0  # held in the page cache until the swap settles (`mlock`)
+    state: str = "reading"  # reading | done | abandoned | failed | cancelled
+    detail: str | None = None
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+
+    def view(self) -> dict[str, Any]:
+        took = (self.ended or time.monotonic()) - self.started
+        return {
+            "state": self.state,
+            "files": self.files,
+            "total_bytes": self.total_bytes,
+            "cached_bytes": self.cached_bytes,
+            "read_bytes": self.read_bytes,
+            "held_bytes": self.held_bytes,
+            "elapsed_s": round(took, 3),
+            "detail": self.detail,
+        }
+
+
 @dataclass(eq=False)
 class Swap:
     """A restart under way: a swap to another config, or a restart of the current one."""
@@ -192,6 +222,10 @@ class Swap:
     # (read when the swap was asked for; None: it did not resolve then).
     rollback_name: str | None = None
     rollback_to: ResolvedConfig | None = None
+    # While it pre-warms (the old server serves on): the config it brings up next, and how
+    # far the read is (kept once it ends, for `/status`).
+    pending: ResolvedConfig | None = None
+    prewarm: PrewarmProgress | None = None
 
     @property
     def active(self) -> bool:
@@ -204,6 +238,7 @@ class Swap:
             "from": self.from_config,
             "to": self.to_config,
             "phase": str(self.phase),
+            "prewarm": self.prewarm.view() if self.prewarm is not None else None,
         }
 
 

@@ -20,6 +20,17 @@ if TYPE_CHECKING:
 Until = Callable[[Callable[[], bool]], Awaitable[None]]
 
 
+def already_ready(config: str) -> dict[str, Any]:
+    """The outcome of a restart with `ensure` whose config was ready already."""
+    return {
+        "outcome": "ready",
+        "reason": None,
+        "evidence": f"{config} is ready",
+        "launch_ids": [],
+        "config": config,
+    }
+
+
 async def swap_outcome(
     m: Machine,
     until: Until,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from . import commands, restoring
 from . import messages as ms
-from . import restoring
 from .policy import Classification
 from .states import LIVE_STATES, ServerState
 
@@ -35,6 +35,10 @@ def on_task_failed(m: Machine, msg: ms.TaskFailed) -> None:
         case "wait_for_gpus":  # retried
             if launch and m.state == ServerState.WAITING_GPU and not launch.spawning:
                 m.fail(launch, Classification("internal_error", evidence))
+        case "prewarm":  # the swap goes on without it
+            swap = m.swaps.active()
+            if swap is not None:
+                commands.prewarm_ended(m, ms.PrewarmEnded(swap.id, "failed", evidence))
         case "read_startup":  # records of a launch's start (and the caches'): it serves on
             pass
         case "stop_previous":  # as stopped: the GPU wait kills what holds GPUs

@@ -54,6 +54,16 @@ class CompileCacheSettings(_Strict):
     keep: int = Field(8, ge=1)
 
 
+class PrewarmSettings(_Strict):
+    """A swap reads the next config's weight files into the page cache before the old server
+    is stopped (`prewarm.py`): at most `max_read_mib_s`, never past what leaves
+    `keep_free_ram_fraction` of RAM available, given up under memory pressure."""
+
+    enabled: bool = True
+    max_read_mib_s: float = Field(1024.0, gt=0)
+    keep_free_ram_fraction: float = Field(0.2, ge=0, lt=1)
+
+
 class RestartPolicy(_Strict):
     initial_delay_s: float = Field(10.0, ge=0)
     max_delay_s: float = Field(300.0, ge=0)
@@ -122,6 +132,7 @@ class Settings(_Strict):
     log_dir: Path = Path("./logs")
     log_retention: Retention = Field(default_factory=Retention)  # type: ignore[arg-type]
     compile_cache: CompileCacheSettings = Field(default_factory=CompileCacheSettings)  # type: ignore[arg-type]
+    prewarm: PrewarmSettings = Field(default_factory=PrewarmSettings)  # type: ignore[arg-type]
     retention: StateRetention = Field(default_factory=StateRetention)  # type: ignore[arg-type]
     restart: RestartPolicy = Field(default_factory=RestartPolicy)  # type: ignore[arg-type]
     stop: StopPolicy = Field(default_factory=StopPolicy)  # type: ignore[arg-type]

@@ -85,6 +85,7 @@ def check_transition(old: ServerState, new: ServerState) -> None:
 class SwapPhase(StrEnum):
     """Where a restart or swap is (status's `swap.phase`)."""
 
+    PREWARMING = "prewarming"  # the old server serves on while the new weights are read
     STOPPING = "stopping"  # the serving launch is being stopped
     WAITING_GPU = "waiting_gpu"  # the new config's GPUs are awaited
     STARTING = "starting"  # the new config's server runs, not ready yet
@@ -94,6 +95,9 @@ class SwapPhase(StrEnum):
 
 # The swap's phase changes in one place too (`Machine._set_phase`), checked against this.
 PHASES: dict[SwapPhase, frozenset[SwapPhase]] = {
+    # read -> the old server is stopped; it ended on its own meanwhile -> the new config's GPU
+    # wait; a stop settles it
+    SwapPhase.PREWARMING: frozenset({SwapPhase.STOPPING, SwapPhase.WAITING_GPU, SwapPhase.DONE}),
     # the old server is gone -> the new config's GPU wait; its first start failed (a rollback);
     # a stop settles it
     SwapPhase.STOPPING: frozenset({SwapPhase.WAITING_GPU, SwapPhase.ROLLING_BACK, SwapPhase.DONE}),

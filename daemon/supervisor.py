@@ -28,12 +28,13 @@ from .host import Host
 from .machine import Machine
 from .messages import Message, ShutdownRequested
 from .preflight import Preflight, PreflightResult
-from .probation import restart_outcome, swap_outcome
+from .probation import already_ready, restart_outcome, swap_outcome
 from .redact import Redactor
 from .server import reaper
 from .settings import Settings
 from .states import HOLD_RECORDS_STATES, RELAUNCH_STATES, ServerState
 from .store import EventLog, StateStore
+from .weightfiles import weight_files
 
 log = logsetup.get_logger("gpuwarden.supervisor")
 
@@ -263,6 +264,10 @@ class Supervisor:
                 extra = {"problems": pre.problems, "warnings": pre.warnings}
                 raise CommandError(errors.PREFLIGHT_REFUSED, "; ".join(pre.problems), extra)
         serving = snap.state in (ServerState.READY, ServerState.UNHEALTHY)
+        # A swap away from a server that serves pre-warms its config's weight files.
+        swapping = self.settings.prewarm.enabled and cfg.name != snap.current_config and serving
+        env = cfg.process_env(self.host.launching.base_env)
+        weights = await asyncio.to_thread(weight_files, cfg, env) if swapping else ()
         last_good = (
             None if serving else await reading.quietly(self.configs, snap.last_good_config, cfg)
         )
@@ -275,19 +280,14 @@ class Supervisor:
                 ticket=ticket,
                 last_good=last_good,
                 ensure=ensure,
+                weights=weights,
             )
         )
         if not wait:
             return reply
         outcome: dict[str, Any]
         if reply["swap_id"] is None:  # ensured: it was ready already
-            outcome = {
-                "outcome": "ready",
-                "reason": None,
-                "evidence": f"{cfg.name} is ready",
-                "launch_ids": [],
-                "config": cfg.name,
-            }
+            outcome = already_ready(cfg.name)
         else:
             outcome = await self._settled(reply["swap_id"])
             if probation and outcome["outcome"] == "ready" and outcome["launch_ids"]:

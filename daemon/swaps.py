@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import errors
 from .errors import CommandError
-from .model import Launch, Swap
+from .model import Launch, PrewarmProgress, Swap
 from .states import SwapPhase, check_phase
 
 if TYPE_CHECKING:
@@ -65,10 +65,12 @@ class Swaps:
         current: str | None,
         serving: Launch | None,
         last_good: tuple[str | None, ResolvedConfig | None],
+        *,
+        prewarm: PrewarmProgress | None = None,
     ) -> Swap:
         """A restart (`cfg` is the current config) or a swap: it rolls back to what serves, or
         else to the last good config (its name, and its config read ahead: kept if it still is
-        that one)."""
+        that one). With `prewarm` it begins `prewarming`: `cfg` waits for its read."""
         last_good_config, last_good_read = last_good
         if last_good_read is not None and last_good_read.name != last_good_config:
             last_good_read = None
@@ -80,6 +82,8 @@ class Swaps:
             rollback_name=serving.config.name if serving else last_good_config,
             rollback_to=serving.config if serving else last_good_read,
         )
+        if prewarm is not None:
+            swap.phase, swap.pending, swap.prewarm = SwapPhase.PREWARMING, cfg, prewarm
         self.current, self.rolled_back_from = swap, None
         if swap.is_swap:
             self.count += 1
@@ -112,9 +116,32 @@ class Swaps:
 
     # -- what happens to its launches ---------------------------------------------------------
 
-    def attempt_began(self, swap: Swap) -> None:
+    def prewarm_ended(self, swap_id: str, outcome: str, detail: str) -> ResolvedConfig | None:
+        """The pre-warm of the swap under way is over: the config it brings up now (None: that
+        swap has gone on without it, or is over)."""
+        swap = self.active()
+        if swap is None or swap.id != swap_id or swap.phase != SwapPhase.PREWARMING:
+            return None
+        self.set_phase(swap, SwapPhase.STOPPING)  # PREWARMING -> STOPPING
+        self._prewarm_event(swap, outcome, detail)
+        cfg, swap.pending = swap.pending, None
+        return cfg
+
+    def _prewarm_event(self, swap: Swap, outcome: str, detail: str) -> None:
+        fields = swap.prewarm.view() if swap.prewarm is not None else {}
+        fields.update(state=None, outcome=outcome, detail=detail)
+        self.event("prewarm_ended", swap_id=swap.id, **fields)
+
+    def attempt_began(self, swap: Swap) -> bool:
+        """True when it cuts the swap's pre-warm short (the old server ended meanwhile, and
+        its relaunch is the new config's): the reader is to stop."""
+        cut = swap.phase == SwapPhase.PREWARMING
+        if cut:
+            swap.pending = None
+            self._prewarm_event(swap, "cancelled", "the serving server ended first")
         if swap.phase != SwapPhase.ROLLING_BACK:
-            self.set_phase(swap, SwapPhase.WAITING_GPU)  # STOPPING -> WAITING_GPU
+            self.set_phase(swap, SwapPhase.WAITING_GPU)  # PREWARMING|STOPPING -> WAITING_GPU
+        return cut
 
     def spawned(self, swap: Swap, launch_id: str) -> None:
         swap.launch_ids.append(launch_id)
@@ -195,6 +222,7 @@ class Swaps:
             "swap_id": swap.id,
             "config": config,
         }
-        self.set_phase(swap, SwapPhase.DONE)  # STOPPING|WAITING_GPU|STARTING|ROLLING_BACK -> DONE
+        # PREWARMING|STOPPING|WAITING_GPU|STARTING|ROLLING_BACK -> DONE
+        self.set_phase(swap, SwapPhase.DONE)
         self.settled(swap.id, swap.outcome)
         self.event("swap_settled", swap_id=swap.id, outcome=outcome, reason=reason)

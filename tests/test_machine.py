@@ -19,6 +19,7 @@ from gpuwarden.daemon.messages import (
     GpuWaitEnded,
     LineParsed,
     PreviousServerStopped,
+    PrewarmEnded,
     ProbeFailed,
     ShutdownRequested,
     SpawnFailed,
@@ -219,6 +220,25 @@ def _every_phase_edge(root: Path) -> set[tuple[SwapPhase, SwapPhase]]:
     w.exits(1)
     assert w.m.swaps.current is not None and w.m.swaps.current.phase == SwapPhase.ROLLING_BACK
     assert w.m.intent.config == "a"
+    seen |= set(w.phases)
+
+    w = world("prewarm", **FAST)  # PREWARMING -> STOPPING: the read is over, a is stopped
+    w.up()
+    w.restart("b", weights=(w.root / "w.safetensors",))
+    w.send(PrewarmEnded(w.swap.id, "done", "read"))
+    seen |= set(w.phases)
+
+    w = world("prewarm-exit", **FAST)  # PREWARMING -> WAITING_GPU: a ended first
+    w.up()
+    w.restart("b", weights=(w.root / "w.safetensors",))
+    w.exits(0)
+    w.send(BackoffElapsed(w.launch.gen, w.cfg("b")))
+    seen |= set(w.phases)
+
+    w = world("prewarm-stop", **FAST)  # PREWARMING -> DONE: stopped while it reads
+    w.up()
+    w.restart("b", weights=(w.root / "w.safetensors",))
+    w.stop()
     seen |= set(w.phases)
     return seen
 

@@ -15,7 +15,7 @@ const TIMELINE_KINDS = new Set([
   "probation_passed", "preflight_refused", "death_announced", "gpu_orphans_killed",
   "sweep_started", "sweep_finished", "sweep_restored", "state_file_corrupt", "internal_error",
   "swap_resumed", "sweep_restore_failed", "sweep_interrupted", "adopted", "server_left_running",
-  "unmanaged_process", "shim_lost",
+  "unmanaged_process", "shim_lost", "prewarm_ended",
 ]);
 
 let token = sessionStorage.getItem(TOKEN_KEY);
@@ -226,6 +226,7 @@ function renderStatus(st) {
   sp.hidden = !st.swap;
   if (st.swap) {
     sp.textContent = `${st.swap.id}: ${st.swap.from || "-"} → ${st.swap.to} · ${st.swap.phase}` +
+      (st.swap.prewarm ? ` · ${prewarmText(st.swap.prewarm)}` : "") +
       (st.phase ? ` · ${phaseText(st.phase)}` : "");
   }
   const sw = $("sweep-progress");
@@ -257,6 +258,15 @@ const PHASE_LABELS = {
   cuda_graphs: "capturing CUDA graphs", warmup: "warming up",
 };
 function secs(s) { return s < 60 ? `${Math.max(0, s).toFixed(1)}s` : duration(s); }
+
+// A swap's read of the next config's weights: `pre-warm 1.2 GiB/3.4 GiB read · 512 MiB cached`.
+function prewarmText(p) {
+  const size = (n) => (n >= 1024 ** 3 ? `${(n / 1024 ** 3).toFixed(1)} GiB` : `${Math.round(n / 1024 ** 2)} MiB`);
+  let text = `pre-warm ${size(p.read_bytes)}/${size(p.total_bytes - p.cached_bytes)} read`;
+  if (p.cached_bytes) text += ` · ${size(p.cached_bytes)} cached`;
+  if (p.state !== "reading") text += ` · ${p.state}`;
+  return text;
+}
 function phaseText(p) {
   const eta = p.eta_s != null ? ` · ready in ~${secs(p.eta_s)}` : "";
   return `${PHASE_LABELS[p.name] || p.name} ${secs(p.elapsed_s || 0)}${eta}`;
@@ -352,6 +362,8 @@ function describe(e) {
         e.reason === "requested_stop" ? "" : "bad"];
     }
     case "swap": return [arrow(e.from_config, e.to_config), ""];
+    case "prewarm_ended": return [`${e.swap_id}: ${prewarmText({ ...e, state: e.outcome })}${e.outcome === "done" ? "" : " · " + (e.detail || "")}`,
+      e.outcome === "done" ? "ok" : "warn"];
     case "restart": return [e.to_config || "", ""];
     case "swap_settled": return [`${e.swap_id}: ${e.outcome}${e.reason ? " (" + e.reason + ")" : ""}`,
       e.outcome === "ready" ? "ok" : "bad"];

@@ -10,10 +10,13 @@ from typing import TYPE_CHECKING, Any
 from gpuwarden.daemon.effects import Effects
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from pathlib import Path
+
     from gpuwarden.daemon.effects import ServerHandle, ServerLog
     from gpuwarden.daemon.gpustate import KnownOurs
     from gpuwarden.daemon.messages import Message
-    from gpuwarden.daemon.model import Launch, PreviousServer
+    from gpuwarden.daemon.model import Launch, PreviousServer, PrewarmProgress
 
 
 class RecordingEffects:
@@ -97,6 +100,12 @@ class RecordingEffects:
 
     def swap_settled(self, swap_id: str, outcome: dict[str, Any]) -> None:
         self._note("swap_settled", swap_id, outcome)
+
+    def prewarm(self, swap_id: str, files: Sequence[Path], progress: PrewarmProgress) -> None:
+        self._note("prewarm", swap_id, tuple(files), progress)
+
+    def cancel_prewarm(self) -> None:
+        self._note("cancel_prewarm")
 
     def stop_previous(self, previous: PreviousServer) -> None:
         self._note("stop_previous", previous)
