@@ -3,23 +3,27 @@ the old server still serves, so the new server's weight phase reads memory, not 
 
 Which files: `weightfiles.py`.
 
-How (`read`, run in a thread): chunk by chunk, skipping what `mincore` says is in the page cache
-already; at most `max_read_mib_s`; never more than leaves `keep_free_ram_fraction` of RAM
-available (MemAvailable as read when it begins), and given up at once when MemAvailable falls
-under that (other processes need the memory: pressure). A cancel (a stop, the swap going on
+How (`read`, run in a thread at `SCHED_IDLE`, so it takes no CPU the serving server wants):
+chunk by chunk, skipping what `mincore` says is in the page cache already; the kernel reads each
+chunk in (`POSIX_FADV_WILLNEED`, no copy through the daemon) and `mlock` holds it there until
+the swap settles (where locking is not allowed: plain reads, not held); at most
+`max_read_mib_s`; never more than leaves `keep_free_ram_fraction` of RAM available (MemAvailable
+as read when it begins), and given up at once when MemAvailable falls under that (other
+processes need the memory: pressure), also while it holds. A cancel (a stop, the swap going on
 without it) ends it within a chunk. Standard library and `ctypes` only; Linux.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -235,12 +239,17 @@ class _Reader:
                 _, available = self.memory()
                 if available < self.reserve:
                     return "abandoned", self.pressure(available)
-                if not cached and os.preadv(fd, [memoryview(self.buf)[:length]], offset) <= 0:
-                    break  # the file shrank meanwhile
-                if self.held is not None and mapping.hold(offset, length):
+                pinned = False
+                if self.held is not None:
+                    if not cached:  # the kernel reads it in: no copy through this process
+                        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+                    pinned = mapping.hold(offset, length)  # waits for it, and keeps it
+                if pinned and self.held is not None:
                     self.held.keep(mapping, length)
                     held = True
                     p.held_bytes += length
+                elif not cached and os.preadv(fd, [memoryview(self.buf)[:length]], offset) <= 0:
+                    break  # the file shrank meanwhile
                 self.used += charge
                 if cached:
                     p.cached_bytes += length
@@ -268,9 +277,28 @@ def read(
     """Read `files` into the page cache (in this thread), throttled and bounded as the module
     says, holding what it read there in `held` if given; (outcome, detail), also left in
     `progress`."""
-    outcome, detail = _Reader(progress, settings, cancel, memory, held).run(files)
+    with _in_the_background():
+        outcome, detail = _Reader(progress, settings, cancel, memory, held).run(files)
     progress.state, progress.detail, progress.ended = outcome, detail, time.monotonic()
     return outcome, detail
+
+
+@contextlib.contextmanager
+def _in_the_background() -> Iterator[None]:
+    """This thread runs only when no other wants its CPU (`SCHED_IDLE`), so the serving
+    server's latency does not move; as it was again after (the thread is a pool's)."""
+    tid = threading.get_native_id()
+    try:
+        before = os.sched_getscheduler(tid), os.sched_getparam(tid)
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(tid, *before)
 
 
 class Prewarmer:
