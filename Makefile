@@ -66,6 +66,7 @@ bench: setup $(PEERS)/.installed
 	$(BIN)/python bench/shim.py
 	$(BIN)/python bench/adopt.py
 	$(BIN)/python bench/restart.py --repeat 1 --live-restore
+	$(BIN)/python bench/weightcache.py
 
 # The restart rows alone (crash -> next start, exit -> state change), N runs of interleaved
 # rounds, each run with fresh tools: `make bench-repeat N=5`. Prints each run's medians,
@@ -86,6 +87,7 @@ bench-real: setup
 	$(BIN)/python bench/deadchild.py
 	$(BIN)/python bench/phases.py
 	$(BIN)/python bench/compilecache.py
+	$(BIN)/python bench/prewarm.py
 
 # A bounded soak: 1,000 crash -> restart cycles with zero backoff; prints flat-or-not figures.
 soak: setup

@@ -78,6 +78,17 @@ def cmd_status(args: argparse.Namespace) -> int:
             rows.append(("pre-warm", prewarm.removeprefix("pre-warm ")))
     if st.get("rolled_back_from"):
         rows.append(("rolled back from", st["rolled_back_from"]))
+    wc = st.get("weight_cache")
+    if isinstance(wc, dict):
+        rows.append(
+            (
+                "weight cache",
+                render.safe(
+                    f"pid {wc.get('pid')} {wc.get('state')} {wc.get('fingerprint')} "
+                    f"(for {wc.get('config')})"
+                ),
+            )
+        )
     metrics = st.get("server_metrics") or {}
     if metrics:
         rows.append(("server", ", ".join(f"{k}={v}" for k, v in metrics.items() if k != "at")))

@@ -53,4 +53,5 @@ async def status(request: Request, supervisor: SupervisorDep) -> dict[str, Any]:
         **supervisor.status(),
         "log_streams": request.app.state.log_feed.readers,
         "compile_cache": supervisor.host.caches.view(),
+        "weight_cache": supervisor.host.sidecar.view(),
     }

@@ -179,6 +179,7 @@ def _build_dump(
         "last_good_config": st["last_good_config"],
         "config_diff": diff,
         "unmanaged": st.get("unmanaged") or [],
+        "weight_cache": sup.host.sidecar.view(),
     }
     text = render_text(data)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
@@ -220,6 +221,12 @@ def render_text(d: dict[str, Any], tail_lines: int = TAIL_LINES, max_line: int =
     lines.append("")
     lines.append("GPUs:")
     lines.append(render_gpu_table(d["gpus"]) if d["gpus"] else "(no GPU information)")
+    wc = d.get("weight_cache")
+    if wc:  # ours, kept on purpose: its memory is the weights the next launch maps
+        lines.append(
+            f"weight cache sidecar: pid {wc.get('pid')} ({wc.get('state')}; fingerprint "
+            f"{wc.get('fingerprint')}, started for {wc.get('config')}; log {wc.get('log_file')})"
+        )
     for u in d.get("unmanaged") or []:  # found at the boot, not verifiably ours: left alone
         lines.append(f"unmanaged: pid {u.get('pid')} ({u.get('name') or '?'}): {u.get('why')}")
     if d["config_diff"]:

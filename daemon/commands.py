@@ -83,6 +83,7 @@ def stop(m: Machine, msg: ms.StopRequested) -> dict[str, Any]:
         m.cancel_waits()
         # FAILED|BACKOFF|WAITING_GPU -> STOPPED
         m.transition(ServerState.STOPPED, reason="requested_stop")
+        m.host.stop_weight_cache("stopped on request")
     elif m.state != ServerState.STOPPED and launch is not None:
         m.begin_stop(launch, Next.STOP)
     # The grace a waiting client bounds its wait by (SIGTERM, then SIGKILL after it).
@@ -174,6 +175,8 @@ def shutdown(m: Machine, msg: ms.ShutdownRequested) -> None:
         m.begin_stop(launch, Next.SHUTDOWN)
         return
     m.cancel_waits()
+    if not keep:  # (live restore keeps it for the server the next life adopts)
+        m.host.stop_weight_cache("the daemon stopped")
     m.finished = True
     m.persist()
 

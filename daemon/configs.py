@@ -19,7 +19,7 @@ import yaml
 from pydantic import ValidationError
 
 from . import errors
-from .configschema import ServerConfig, build_argv
+from .configschema import ServerConfig
 from .resolvedconfig import ResolvedConfig
 from .safefile import YamlLimit, load_yaml, read_regular_text
 
@@ -241,7 +241,7 @@ class ConfigStore:
         return ResolvedConfig(
             name=name,
             config=config,
-            argv=build_argv(config.command, config.args),
+            argv=config.argv(),
             config_hash=hashlib.sha256(canonical.encode()).hexdigest()[:12],
             files=tuple(p for p, _, _ in layers),
         )

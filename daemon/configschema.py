@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_COMMAND = ["python", "-m", "sglang.launch_server"]
 
@@ -48,6 +48,8 @@ class ServerConfig(_Strict):
     gpus: list[int | str] | None = None
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)  # type: ignore[arg-type]
+    # SGLang's weight cache daemon as a sidecar (`weightcache.py`); the engine in client mode.
+    weight_cache: bool = False
 
     @field_validator("env", mode="before")
     @classmethod
@@ -74,6 +76,23 @@ class ServerConfig(_Strict):
             if not re.fullmatch(r"-{0,2}[A-Za-z0-9][A-Za-z0-9._-]*", key):
                 raise ValueError(f"{key!r} is not a flag name")
         return value
+
+    @model_validator(mode="after")
+    def _weight_cache_is_client_mode(self) -> ServerConfig:
+        mode = next((v for k, v in self.args.items() if k.lstrip("-") == "weight-cache-mode"), None)
+        if self.weight_cache and mode not in (None, "client"):
+            raise ValueError(
+                f"weight_cache: true runs the server with --weight-cache-mode client beside "
+                f"its sidecar; args sets weight-cache-mode {mode}"
+            )
+        return self
+
+    def argv(self) -> list[str]:
+        """The server's argv: the command and args; with the weight cache, in client mode."""
+        argv = build_argv(self.command, self.args)
+        if self.weight_cache and not any(k.lstrip("-") == "weight-cache-mode" for k in self.args):
+            argv += ["--weight-cache-mode", "client"]
+        return argv
 
 
 def _scalar(value: Any) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 KnownOurs = Mapping[tuple[int, float], str]
 
@@ -50,6 +50,18 @@ def select_gpus(snapshot: GpuSnapshot, wanted: list[str] | None) -> list[GpuInfo
         if gpu is not None and gpu not in out:
             out.append(gpu)
     return out
+
+
+def without(snapshot: GpuSnapshot, kept: frozenset[int]) -> GpuSnapshot:
+    """The snapshot less the memory of the holders in `kept` (ours, kept on purpose)."""
+    if not kept:
+        return snapshot
+    gpus = []
+    for g in snapshot.gpus:
+        held = sum(p.used_mib for p in g.processes if p.pid in kept)
+        procs = tuple(p for p in g.processes if p.pid not in kept)
+        gpus.append(replace(g, used_mib=max(0, g.used_mib - held), processes=procs))
+    return replace(snapshot, gpus=tuple(gpus))
 
 
 def busy_gpus(

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpuwarden.daemon import logsetup
 
 from . import ownership
 from .gpu import GpuBackend
-from .gpustate import GpuSnapshot, busy_gpus, describe_busy, select_gpus
+from .gpustate import GpuSnapshot, busy_gpus, describe_busy, select_gpus, without
 from .messages import EventNoted, GpuSampled, GpuWaitEnded, Message, OrphansKilled
 from .settings import GpuSettings
 from .tasks import Tasks
@@ -56,13 +57,15 @@ class GpuWatch:
         self.sweep_deadline_s = sweep_deadline_s  # a sweep's orphan kills, within the wait's
         self._gpu_task: asyncio.Task[Any] | None = None
         self.latest: GpuSnapshot | None = None  # the last sample taken here
+        # Holders kept on purpose (the weight cache's sidecar): never killed, never waited for.
+        self.kept: Callable[[], frozenset[int]] = frozenset
 
     def wait_for_gpus(self, launch: Launch, known_ours: KnownOurs, unresolved: bool) -> None:
         """Post `GpuWaitEnded` once the launch's GPUs are free, killing the holders among them
         that are ours (`known_ours`; `unresolved`: NVML's pids are of another namespace)."""
         snap = self.gpu_snapshot_now()
         if snap is not None and not busy_gpus(
-            snap, launch.config.gpus, self.settings.busy_above_mib
+            without(snap, self.kept()), launch.config.gpus, self.settings.busy_above_mib
         ):
             # Free at the first look, with a backend that answers at once: no wait to run.
             self._gpu_task = None
@@ -84,24 +87,30 @@ class GpuWatch:
             self._gpu_task = None
 
     async def _wait_for_gpus(self, launch: Launch, known_ours: KnownOurs, unresolved: bool) -> None:
+        busy = await self.gpus_free(launch, known_ours, unresolved)
+        self.post(GpuWaitEnded(launch.gen, busy is None, busy or ""))
+
+    async def gpus_free(
+        self, launch: Launch, known_ours: KnownOurs, unresolved: bool
+    ) -> str | None:
+        """Until `launch`'s GPUs are free (None), killing orphans of ours that hold them, or
+        `release_timeout_s` has passed (what still holds them)."""
         cfg = self.settings
         deadline = self.clock.monotonic() + cfg.release_timeout_s
         announced = False
         while True:
             snap = await self.gpu_snapshot()
             self.post(GpuSampled(launch.gen, snap, frozenset()))
-            busy = busy_gpus(snap, launch.config.gpus, cfg.busy_above_mib)
+            busy = busy_gpus(without(snap, self.kept()), launch.config.gpus, cfg.busy_above_mib)
             if not busy:
-                self.post(GpuWaitEnded(launch.gen, True))
-                return
+                return None
             running = launch.child.pid if launch.running and launch.child is not None else None
             await self.kill_gpu_orphans(busy, running, known_ours, unresolved)
             if not announced:
                 announced = True
                 self.post(EventNoted("gpu_wait", {"detail": describe_busy(busy)}))
             if self.clock.monotonic() >= deadline:
-                self.post(GpuWaitEnded(launch.gen, False, describe_busy(busy)))
-                return
+                return describe_busy(busy)
             await self.clock.sleep(cfg.poll_interval_s)
 
     async def kill_gpu_orphans(
@@ -109,6 +118,10 @@ class GpuWatch:
     ) -> list[dict[str, Any]]:
         """Kill the holders on `gpus` that are ours (`known_ours`) but not the running server's
         main process (`running`), and post what was killed."""
+        kept = self.kept()
+        gpus = [
+            replace(g, processes=tuple(p for p in g.processes if p.pid not in kept)) for g in gpus
+        ]
         if not any(g.processes for g in gpus):
             return []  # the common case after an exit
         killed = await ownership.kill_gpu_orphans(gpus, running, known_ours, unresolved)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from . import boot
+from . import boot, serverparser
 from .clock import Clock
 from .compilecache import CompileCaches
 from .configs import ConfigStore
@@ -38,6 +38,7 @@ from .retrying import Retry
 from .server import shimstart
 from .server.shimclient import ShimClient, ShimError
 from .settings import Settings
+from .sidecar import Sidecar
 from .store import EventLog, StateStore
 from .tasks import Tasks
 
@@ -106,6 +107,14 @@ class Host:
             sweep_deadline_s=SWEEP_DEADLINE_S,
         )
         self.caches = CompileCaches(settings.compile_cache, self.gpus.gpu_model)
+        self.sidecar = Sidecar(
+            log_dir=settings.log_dir,
+            state_dir=settings.state_dir,
+            tasks=tasks,
+            post=post,
+            gpus=self.gpus,
+            interpreter=serverparser.interpreter_of,
+        )
         self.launching.extra_env = self.caches.env_for
         self.exit_sweep = ExitSweep(gpus=self.gpus, tasks=tasks, post=post)
         self.probes = Probes(prober=prober, clock=clock, tasks=tasks, post=post)
@@ -124,6 +133,7 @@ class Host:
         life's servers run under it): every server runs under it. One that cannot be had is
         said, and servers are then started by the daemon itself (they do not outlive it)."""
         await self._connect_shim(again=False)
+        self.sidecar.restore()  # a weight cache sidecar the previous life left running
 
     async def _connect_shim(self, again: bool, delay_s: float = 0.0) -> None:
         """Connect to (or start) the shim; one lost is sought again and again, backing off to
@@ -182,6 +192,7 @@ class Host:
         await self.records.close()
         self.prewarmer.cancel()  # its thread ends within a chunk: the daemon's exit waits for it
         self.prewarmer.release("the daemon stopped")
+        await self.sidecar.close()
         self.tasks.cancel_all()
         await self.probes.close()
 
@@ -243,17 +254,22 @@ class Host:
         """Before the GPU wait, the versions of the server's interpreter its cache folder is
         named by, asked once (a task) and known at once from then on."""
         argv, env = launch.config.argv, launch.config.process_env(self.launching.base_env)
-        if self.caches.known(argv, env):
+        if self.caches.known(argv, env) and not self.sidecar.involved(launch):
             self.gpus.wait_for_gpus(launch, known_ours, unresolved)
             return
 
         async def learn_then_wait() -> None:
             await self.caches.learn(argv, env)
-            self.gpus.wait_for_gpus(launch, known_ours, unresolved)
+            # The weight cache's sidecar it wants runs (another is stopped) before the wait.
+            if await self.sidecar.prepare(launch, env, known_ours, unresolved):
+                self.gpus.wait_for_gpus(launch, known_ours, unresolved)
 
         # The GPU wait's own task until the wait begins (a stop or swap cancels it the same
         # way; a failure is the GPU wait's, which the machine recovers from).
         self.gpus.waiting(self.tasks.task(learn_then_wait(), gen=launch.gen, name="wait_for_gpus"))
+
+    def stop_weight_cache(self, reason: str) -> None:
+        self.sidecar.stop_soon(reason)
 
     def cancel_gpu_wait(self) -> None:
         self.gpus.cancel_gpu_wait()

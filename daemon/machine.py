@@ -332,6 +332,7 @@ class Machine:
             self.fail(launch, verdict, recorded=recorded)
         elif nxt == Next.STOP:
             self.transition(ServerState.STOPPED, reason=verdict.reason)  # STOPPING -> STOPPED
+            self.host.stop_weight_cache("stopped on request")
         elif nxt == Next.RELAUNCH:
             assert launch.next_config is not None
             if not (self.swaps.current and self.swaps.current.is_swap):  # (swaps count apart)
@@ -339,6 +340,7 @@ class Machine:
             self.begin_attempt(launch.next_config)  # STOPPING -> WAITING_GPU
         elif nxt == Next.SHUTDOWN:
             self.transition(ServerState.STOPPED, reason="daemon shutdown")  # STOPPING -> STOPPED
+            self.host.stop_weight_cache("the daemon stopped")
             self.finished = True
         self.persist()
 

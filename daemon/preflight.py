@@ -83,6 +83,7 @@ class Preflight:
             result.method = "skipped"
             result.warnings.append("preflight.argv is false: the argv was not checked")
         result.problems += check_paths(cfg)
+        result.problems += check_weight_cache(cfg)
         port_problem = check_port(cfg.host, cfg.port, replacing_port) if knows_port else None
         if port_problem:
             result.problems.append(port_problem)
@@ -167,6 +168,16 @@ def check_paths(cfg: ResolvedConfig) -> list[str]:
         if isinstance(value, str) and _local(value) and not Path(value).expanduser().exists():
             problems.append(f"--{key} {value}: no such file or directory")
     return problems
+
+
+def check_weight_cache(cfg: ResolvedConfig) -> list[str]:
+    """SGLang 0.5.23 refuses its weight cache beside speculative decoding."""
+    if cfg.config.weight_cache and cfg.server_option("--speculative-algorithm"):
+        return [
+            "weight_cache: true: SGLang 0.5.23 refuses --weight-cache-mode together with "
+            "speculative decoding (--speculative-algorithm)"
+        ]
+    return []
 
 
 def check_port(host: str, port: int, replacing_port: int | None) -> str | None:

@@ -15,7 +15,7 @@ import asyncio
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,6 +248,11 @@ def server_interpreter(cli: ServerCli, path: str | None) -> str | None:
     elif interp is None and Path(cli.program[0]).name.startswith("python"):
         interp = cli.program[0]
     return (shutil.which(interp, path=path) or interp) if interp else None
+
+
+def interpreter_of(argv: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """The Python that runs the server argv `argv` in `env` (see `server_interpreter`)."""
+    return server_interpreter(split_command(argv), env.get("PATH"))
 
 
 def script_interpreter(program: str, path: str | None) -> str | None:

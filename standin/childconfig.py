@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .faults import Faults
 from .specmodel import SpecParams
@@ -36,6 +37,9 @@ class ChildConfig:
     durations: dict[str, float] = field(default_factory=dict)
     # --standin-deepgemm: the JIT cache its kernels are compiled into (None: no DeepGEMM)
     deepgemm_cache: str | None = None
+    load_shards: int = 4  # --standin-load-shards
+    # --weight-cache-mode client: the fingerprint its weights must match (the rank's added)
+    weight_cache: dict[str, Any] | None = None
 
     @property
     def profile(self) -> Profile:

@@ -189,6 +189,20 @@ def add_standin_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
         help="the model's GEMMs are DeepGEMM's: JIT-compiled at their first use (the target's "
         "graph capture) unless SGLang's DeepGEMM cache already holds them",
     )
+    parser.add_argument(
+        "--standin-load-shards",
+        type=int,
+        default=4,
+        metavar="N",
+        help="checkpoint shards to load, a second each (time-scaled): a bigger model",
+    )
+    parser.add_argument(
+        "--standin-cuda-mib",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="(the weight cache daemon) each rank also holds MIB of real CUDA memory (torch)",
+    )
     add_fault_args(parser)
 
 

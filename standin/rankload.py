@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import fakegpu
+from . import fakegpu, weightcache
 from .childconfig import ChildConfig
 from .failures import (
     GIB,
@@ -99,8 +99,11 @@ class RankLoader:
             )
             self.helper_mib = faults.escape_grandchild_mib
         start = time.monotonic()
-        shards = 4 + faults.progress_bars
-        for i in range(shards + 1):
+        # --weight-cache-mode client: the daemon's weights, mapped (it holds their memory).
+        cached = self._from_weight_cache() if cfg.weight_cache is not None else None
+        own_weights = 0 if cached is not None else weights_mib
+        shards = 0 if cached is not None else cfg.load_shards + faults.progress_bars
+        for i in range(shards + 1 if shards else 0):
             sys.stderr.write(
                 f"\rLoading safetensors checkpoint shards: {100 * i // shards:3d}% Completed "
                 f"| {i}/{shards} [00:0{i}<00:00,  1.05it/s]"
@@ -108,12 +111,13 @@ class RankLoader:
             sys.stderr.flush()
             if i < shards:
                 cfg.sleep("load_shard")
-        sys.stderr.write("\n")
-        self._hold(weights_mib)
+        if shards:
+            sys.stderr.write("\n")
+        self._hold(own_weights)
         self.timings["load_weight"] += time.monotonic() - start
         self.log(
             cfg.profile.load_weight_end(
-                time.monotonic() - start, self.avail_gb(), weights_mib / GIB
+                time.monotonic() - start, self.avail_gb(), own_weights / GIB
             )
         )
 
@@ -130,7 +134,7 @@ class RankLoader:
             f"KV Cache is allocated. #tokens: {self.max_total_tokens}, "
             f"K size: {kv_gb:.2f} GB, V size: {kv_gb:.2f} GB"
         )
-        self._hold(weights_mib + kv_mib)
+        self._hold(own_weights + kv_mib)
         self.log(f"Memory pool end. avail mem={self.avail_gb():.2f} GB")
 
         if cfg.deepgemm_cache is not None and not cfg.cuda_graph:  # else at the capture
@@ -163,6 +167,22 @@ class RankLoader:
             "max_total_num_tokens": self.max_total_tokens,
             "max_req_input_len": cfg.context_length - 8,
         }
+
+    def _from_weight_cache(self) -> dict[str, Any] | None:
+        """The weight cache daemon's answer for this rank (None: no daemon, a disk load)."""
+        assert self.cfg.weight_cache is not None
+        spec = fakegpu.read_spec(self.fake_root) if self.fake_root else fakegpu.FakeGpuSpec()
+        sock, _ = weightcache.paths(spec.uuid(self.gpu), os.environ)
+        began = time.monotonic()
+        reply = weightcache.fetch(sock, {**self.cfg.weight_cache, "tp_rank": self.rank})
+        if reply is not None:
+            took = time.monotonic() - began
+            self.log(
+                f"[IpcModelLoader] Fetched 291 tensors from daemon (transport=torch_ipc) in "
+                f"{took:.2f}s"
+            )
+            self.log(f"[IpcModelLoader] Loaded model via IPC (mode=client), total={took:.2f}s")
+        return reply
 
     def _deepgemm_jit(self, folder: str) -> None:
         """DeepGEMM's kernels for this model: compiled (a long sleep) into its JIT cache the

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from . import fakegpu
+from . import fakegpu, weightcache
 from .childconfig import ChildConfig
 from .durations import DURATIONS
 from .faults import faults_from_args
@@ -72,6 +72,12 @@ def resolve(args: Any, profile: Profile) -> ChildConfig:
         cuda_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
         durations=dict(DURATIONS),
         deepgemm_cache=deepgemm_cache(environ) if args.standin_deepgemm else None,
+        load_shards=args.standin_load_shards,
+        weight_cache=(
+            weightcache.fingerprint(args, 0)
+            if getattr(args, "weight_cache_mode", "off") == "client"
+            else None
+        ),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -227,3 +228,53 @@ def test_without_live_restore_the_next_life_stops_a_killed_daemons_server_and_it
     wait_until(lambda: not psutil.pid_exists(shim), 10, "the shim to end with the daemon")
     wait_until(lambda: nvml.snapshot().gpus[0].used_mib < idle + 512, 60, "the memory to go")
     print(f"\nprevious server {old} stopped by the next life; GPU 0 back to idle ({idle} MiB)")
+
+
+def test_a_weight_cache_sidecar_holds_gpu_memory_across_an_engine_crash(
+    procs: list[Proc], tmp_path: Path, nvml: NvmlBackend
+) -> None:
+    """The stand-in's weight cache daemon holds 8 GiB of real CUDA memory: an engine SIGKILL
+    neither kills it nor waits for its memory, and the relaunch reaches ready mapping it."""
+    from .support.configs import standin_config  # noqa: PLC0415
+
+    sockets = Path(tempfile.mkdtemp(prefix="wc", dir="/tmp"))
+    cfg = standin_config("--standin-cuda-mib=8192", scale=0.05, port=free_port())
+    cfg["weight_cache"] = True
+    cfg["gpus"] = [0]
+    cfg["env"].update(
+        {
+            "SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE": str(sockets / "{device_uuid}.sock"),
+            "SGLANG_WEIGHT_CACHE_READY_TEMPLATE": str(sockets / "{device_uuid}.ready"),
+        }
+    )
+    d = start_daemon(
+        procs, tmp_path, tmp_path / "unused-fake", {"wc": cfg}, default="wc", gpu=NVML_FAST
+    )
+    first = d.wait_state("ready", timeout=300)
+    wc = d.status()["weight_cache"]
+    assert wc is not None and wc["state"] == "ready"
+    kept = {wc["pid"], *(c.pid for c in psutil.Process(wc["pid"]).children(recursive=True))}
+
+    def held() -> int:
+        gpus = nvml.snapshot().gpus
+        return sum(p.used_mib for g in gpus for p in g.processes if p.pid in kept)
+
+    wait_until(lambda: held() >= 8000, 60, "the sidecar's memory in NVML")
+    t0 = time.monotonic()
+    os.kill(d.status()["pid"], signal.SIGKILL)
+    again = d.wait_event("server.launch", after=first["_index"], timeout=120)
+    d.wait_state("ready", after=again["_index"], timeout=120)
+    took = time.monotonic() - t0
+    waited = [
+        r
+        for r in d.records()[first["_index"] : again["_index"]]
+        if r.get("event") in ("server.gpu_wait", "server.gpu_orphans_killed")
+    ]
+    assert waited == [], waited  # neither waited for nor killed
+    assert d.status()["weight_cache"]["pid"] == wc["pid"] and held() >= 8000
+    log = Path(d.status()["log_file"]).read_text()
+    assert "Loaded model via IPC (mode=client)" in log
+    print(f"\nsidecar held {held()} MiB across the crash; crash -> ready {took:.2f} s")
+    d.http.post("/stop")
+    d.wait_event("server.weight_cache_stopped", timeout=60)
+    wait_until(lambda: held() == 0, 60, "the sidecar's memory to go")

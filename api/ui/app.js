@@ -15,7 +15,8 @@ const TIMELINE_KINDS = new Set([
   "probation_passed", "preflight_refused", "death_announced", "gpu_orphans_killed",
   "sweep_started", "sweep_finished", "sweep_restored", "state_file_corrupt", "internal_error",
   "swap_resumed", "sweep_restore_failed", "sweep_interrupted", "adopted", "server_left_running",
-  "unmanaged_process", "shim_lost", "prewarm_ended",
+  "unmanaged_process", "shim_lost", "prewarm_ended", "weight_cache_started", "weight_cache_stopped",
+  "weight_cache_exited",
 ]);
 
 let token = sessionStorage.getItem(TOKEN_KEY);
@@ -216,6 +217,11 @@ function renderStatus(st) {
     if (m.running_req != null) parts.push(`running ${m.running_req}`);
     if (m.queue_req != null) parts.push(`queued ${m.queue_req}`);
     if (parts.length) facts.push(["server", parts.join(" · ")]);
+  }
+  if (st.weight_cache) {
+    const wc = st.weight_cache;
+    facts.push(["weight cache", `pid ${wc.pid} · ${wc.state} · ${wc.fingerprint} (for ${wc.config})` +
+      (wc.ready_s != null ? ` · loaded in ${secs(wc.ready_s)}` : "")]);
   }
   if (st.booting) facts.push(["daemon", "booting: restoring its previous life"]);
   if (!st.supervising) facts.push(["supervision", "STUCK (see /healthz)"]);

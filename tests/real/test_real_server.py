@@ -5,7 +5,9 @@ it back."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,8 @@ import httpx
 import psutil
 import pytest
 
+from gpuwarden.daemon import weightcache
+from gpuwarden.daemon.configs import ConfigStore
 from tests.support.daemon import Daemon, start_daemon
 from tests.support.procs import Proc, alive, free_port, wait_until
 
@@ -21,6 +25,8 @@ from . import env as real_env
 from .conftest import STARTUP_S, sglang_config
 
 pytestmark = pytest.mark.timeout(900)
+# Where SGLang 0.5.23's weight cache daemon stops on a machine without CUDA.
+WEIGHT_CACHE_NEEDS_A_GPU = re.compile(r"CUDA-alike platform|cuda|CUDA", re.S)
 
 
 @pytest.fixture(scope="module")
@@ -276,3 +282,31 @@ def test_a_start_is_recorded_in_phases_and_the_next_one_has_an_eta(served: Daemo
     wait_until(eta_shown, STARTUP_S, "a phase with an ETA")
     served.wait_state("ready", after=mark, timeout=STARTUP_S)
     assert served.status()["startup"]["ready_s"] > 0
+
+
+def test_sglangs_own_parsers_take_the_weight_cache_flags_gpuwarden_passes(
+    served: Daemon, sglang_env: Path
+) -> None:
+    """The engine's `--weight-cache-mode client` passes SGLang's parser (preflight); the
+    sidecar's argv passes its daemon's own parsers (its flags, then the server's), and on this
+    CPU it stops where SGLang's daemon needs a GPU, not at an argument."""
+    cfg = sglang_config(sglang_env, args={"tp-size": 1, "dtype": "bfloat16"})
+    cfg["weight_cache"] = True
+    good = check(served, "wc", cfg)
+    assert good["ok"] is True and good["method"] == "parser", good
+    resolved = ConfigStore(served.root / "configs").load("wc")
+    assert resolved.argv[-2:] == ["--weight-cache-mode", "client"]
+    env = resolved.process_env(dict(os.environ))
+    spec = weightcache.spec_of(resolved, str(real_env.python_of(sglang_env)), env)
+    assert spec is not None and spec.argv[2] == "sglang.srt.weight_cache.daemon"
+    ran = subprocess.run(
+        [*spec.argv, "--timeout", "60"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=STARTUP_S,
+        check=False,
+    )
+    out = ran.stdout + ran.stderr
+    assert "unrecognized arguments" not in out and "error: argument" not in out, out[-3000:]
+    assert ran.returncode != 0 and WEIGHT_CACHE_NEEDS_A_GPU.search(out), out[-3000:]

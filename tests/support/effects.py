@@ -107,6 +107,9 @@ class RecordingEffects:
     def cancel_prewarm(self) -> None:
         self._note("cancel_prewarm")
 
+    def stop_weight_cache(self, reason: str) -> None:
+        self._note("stop_weight_cache", reason)
+
     def stop_previous(self, previous: PreviousServer) -> None:
         self._note("stop_previous", previous)
 
