@@ -85,6 +85,11 @@ def _model_args(cfg: ResolvedConfig) -> list[str]:
         if value is not None:
             args += [option, value]
     args += [flag for flag in FLAGS if flag in cli.args]
+    if cli.module == "gpuwarden.standin":  # its own flags (time scale, shards, memory) too
+        for i, arg in enumerate(cli.args):
+            if arg.startswith("--standin-"):
+                after = cli.args[i + 1 : i + 2]
+                args += [arg, *(v for v in after if not v.startswith("--"))]
     return args
 
 

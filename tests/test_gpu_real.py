@@ -235,12 +235,15 @@ def test_a_weight_cache_sidecar_holds_gpu_memory_across_an_engine_crash(
 ) -> None:
     """The stand-in's weight cache daemon holds 8 GiB of real CUDA memory: an engine SIGKILL
     neither kills it nor waits for its memory, and the relaunch reaches ready mapping it."""
+    from gpuwarden.standin import fakegpu  # noqa: PLC0415
+
     from .support.configs import standin_config  # noqa: PLC0415
 
     sockets = Path(tempfile.mkdtemp(prefix="wc", dir="/tmp"))
     cfg = standin_config("--standin-cuda-mib=8192", scale=0.05, port=free_port())
     cfg["weight_cache"] = True
     cfg["gpus"] = [0]
+    cfg["env"][fakegpu.ENV_DIR] = None  # the real GPU: no fake one
     cfg["env"].update(
         {
             "SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE": str(sockets / "{device_uuid}.sock"),

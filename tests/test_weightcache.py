@@ -25,6 +25,7 @@ from gpuwarden.standin import fakegpu
 from .support.configs import standin_config, write_configs
 from .support.daemon import Daemon, start_daemon
 from .support.procs import Proc, free_port, wait_until
+from .support.shim import shims_ended
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -211,3 +212,31 @@ def test_a_stop_ends_the_sidecar(
     d.wait_event("server.weight_cache_stopped", pid=wc["pid"], timeout=30)
     assert _sidecar(d) is None and d.status()["state"] == "stopped"
     assert _holders(fake_gpu) == {} and list(sockets.iterdir()) == []
+
+
+def test_with_live_restore_the_next_life_keeps_the_sidecar_and_its_server(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path, sockets: Path
+) -> None:
+    """The daemon SIGKILLed while its server maps the sidecar's weights: the next life adopts
+    both (the sidecar from `weight-cache.json`), and a crash after that keeps it still."""
+    configs = {"wc": _wc(sockets, "org/m", free_port())}
+    with shims_ended(tmp_path / "state", procs):
+        first = start_daemon(procs, tmp_path, fake_gpu, configs, default="wc", live_restore=True)
+        wait_until(lambda: _serving(first, "wc"), 60, "wc to serve")
+        wc = _sidecar(first)
+        assert wc is not None
+        server = first.status()["pid"]
+        first.proc.signal(signal.SIGKILL)
+        first.proc.popen.wait(10)
+        second = start_daemon(procs, tmp_path, fake_gpu, configs, live_restore=True)
+        adopted = second.wait_event("server.weight_cache_adopted", timeout=30)
+        assert adopted["pid"] == wc["pid"]
+        second.wait_event("server.adopted", timeout=30)
+        assert second.status()["pid"] == server and _sidecar(second)["pid"] == wc["pid"]
+        mark = second.mark()
+        os.kill(server, signal.SIGKILL)  # the server crashes: relaunched on the same sidecar
+        second.wait_state("ready", after=mark, timeout=60)
+        assert _sidecar(second)["pid"] == wc["pid"] and _ipc_loaded(second)
+        second.http.post("/stop")
+        second.wait_event("server.weight_cache_stopped", pid=wc["pid"], timeout=30)
+        assert not psutil.pid_exists(wc["pid"]) and list(sockets.iterdir()) == []

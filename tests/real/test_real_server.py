@@ -26,7 +26,7 @@ from .conftest import STARTUP_S, sglang_config
 
 pytestmark = pytest.mark.timeout(900)
 # Where SGLang 0.5.23's weight cache daemon stops on a machine without CUDA.
-WEIGHT_CACHE_NEEDS_A_GPU = re.compile(r"CUDA-alike platform|cuda|CUDA", re.S)
+WEIGHT_CACHE_NEEDS_A_GPU = re.compile(r"weight cache daemon requires a CUDA-alike platform")
 
 
 @pytest.fixture(scope="module")
