@@ -1,7 +1,9 @@
 """The host: the one seam every side effect of the machine leaves through, a facade over parts
 of one concern each: the launch (`launching.py`), the sweep after an exit (`exitsweep.py`),
 probes (`probing.py`), the GPUs (`gpuwatch.py`), the retry (`retrying.py`), records and the
-state file (`records.py`), and the tasks they all run in (`tasks.py`).
+state file (`records.py`), the compile caches (`compilecache.py`), a swap's pre-warm
+(`prewarm.py`), the weight cache's sidecar (`sidecar.py`), and the tasks they all run in
+(`tasks.py`).
 
 The machine calls these methods while it decides; each returns at once. What takes time runs
 in a part's task, which posts its outcome to the inbox as a message; an outcome known without
@@ -133,7 +135,7 @@ class Host:
         life's servers run under it): every server runs under it. One that cannot be had is
         said, and servers are then started by the daemon itself (they do not outlive it)."""
         await self._connect_shim(again=False)
-        self.sidecar.restore()  # a weight cache sidecar the previous life left running
+        self.sidecar.restore(self.settings.live_restore)  # one the previous life left running
 
     async def _connect_shim(self, again: bool, delay_s: float = 0.0) -> None:
         """Connect to (or start) the shim; one lost is sought again and again, backing off to
@@ -252,7 +254,8 @@ class Host:
 
     def wait_for_gpus(self, launch: Launch, known_ours: KnownOurs, unresolved: bool) -> None:
         """Before the GPU wait, the versions of the server's interpreter its cache folder is
-        named by, asked once (a task) and known at once from then on."""
+        named by, asked once (a task) and known at once from then on; and for a config with
+        the weight cache (or while a sidecar runs) the sidecar it wants, ready."""
         argv, env = launch.config.argv, launch.config.process_env(self.launching.base_env)
         if self.caches.known(argv, env) and not self.sidecar.involved(launch):
             self.gpus.wait_for_gpus(launch, known_ours, unresolved)

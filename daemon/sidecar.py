@@ -11,7 +11,7 @@ with SIGINT, as its launcher expects, then SIGKILL to its group. A sidecar that 
 is an event: the engine then loads from disk (SGLang's client falls back where no socket is).
 Leftover socket and ready files of a dead daemon are removed first, since SGLang's client
 refuses a socket nobody answers. Its pid is kept in `state_dir/weight-cache.json`, so the
-daemon's next life finds it running (live restore) and keeps it.
+daemon's next life finds it running and keeps it (live restore), or stops it (without).
 """
 
 from __future__ import annotations
@@ -131,6 +131,9 @@ class Sidecar:
         cfg = launch.config
         spec = weightcache.spec_of(cfg, self.interpreter(cfg.argv, env), env)
         cur = self.current
+        if cur is not None and cur.state == "stopping":  # (its stop under way ends first)
+            await cur.ended.wait()
+            cur = self.current
         if cur is not None and not cur.alive():
             self._gone(cur, None)
             cur = None
@@ -289,8 +292,9 @@ class Sidecar:
             tmp.write_text(json.dumps(data))
             tmp.replace(self.record)
 
-    def restore(self) -> None:
-        """A sidecar the previous life left running is this life's (else its record goes)."""
+    def restore(self, live_restore: bool) -> None:
+        """A sidecar the previous life left running is this life's (else its record goes);
+        without `live_restore` it is stopped, as that life's server is."""
         try:
             data = json.loads(self.record.read_text())
             spec = weightcache.SidecarSpec(
@@ -323,6 +327,8 @@ class Sidecar:
         reaper.own(cur.pid)
         self._event("weight_cache_adopted", pid=cur.pid, fingerprint=spec.fingerprint)
         self.tasks.task(self._watch(cur, None), name="weight_cache")
+        if not live_restore:  # nothing of the previous life runs on: as its server, stopped
+            self.stop_soon("the previous life's, and live_restore is off")
 
     def _clean_stale(self, wanted: list[int | str] | None, env: Mapping[str, str]) -> None:
         """Remove the socket and ready files of weight cache daemons that are gone."""

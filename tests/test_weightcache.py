@@ -240,3 +240,23 @@ def test_with_live_restore_the_next_life_keeps_the_sidecar_and_its_server(
         second.http.post("/stop")
         second.wait_event("server.weight_cache_stopped", pid=wc["pid"], timeout=30)
         assert not psutil.pid_exists(wc["pid"]) and list(sockets.iterdir()) == []
+
+
+def test_without_live_restore_the_next_life_stops_the_previous_sidecar(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path, sockets: Path
+) -> None:
+    """Nothing of a SIGKILLed daemon's life runs on without live restore: its server is
+    stopped at the next boot, and so is its sidecar, found through its record."""
+    configs = {"wc": _wc(sockets, "org/m", free_port())}
+    first = start_daemon(procs, tmp_path, fake_gpu, configs, default="wc")
+    wait_until(lambda: _serving(first, "wc"), 60, "wc to serve")
+    wc = _sidecar(first)
+    assert wc is not None
+    first.proc.signal(signal.SIGKILL)
+    first.proc.popen.wait(10)
+    assert psutil.pid_exists(wc["pid"])  # its own session: the daemon's death left it
+    second = start_daemon(procs, tmp_path, fake_gpu, configs)
+    second.wait_event("server.weight_cache_adopted", pid=wc["pid"], timeout=30)
+    stopped = second.wait_event("server.weight_cache_stopped", pid=wc["pid"], timeout=30)
+    assert "live_restore is off" in stopped["reason"]
+    wait_until(lambda: not psutil.pid_exists(wc["pid"]), 30, "the sidecar gone")
