@@ -49,6 +49,7 @@ STOP_GRACE_S = 15.0  # its launcher gives each daemon 5 s after SIGTERM
 READY_TIMEOUT_S = 1800.0  # SGLang's --weight-cache-timeout default
 POLL_S = 0.1
 RECORD = "weight-cache.json"
+NO_PYTHON = "the Python its server runs under is not known, so its weight cache daemon cannot run"
 
 
 @dataclass
@@ -142,6 +143,8 @@ class Sidecar:
             await self.stop(f"{cfg.name} {why}")
             cur = None
         if spec is None:
+            if cfg.config.weight_cache:  # its server's Python is not known: it loads from disk
+                self._event("weight_cache_failed", detail=f"{cfg.name}: {NO_PYTHON}")
             return True
         if cur is None:
             busy = await self.gpus.gpus_free(launch, known_ours, unresolved)
@@ -149,7 +152,11 @@ class Sidecar:
                 self.post(GpuWaitEnded(launch.gen, False, busy))
                 return False
             self._clean_stale(cfg.config.gpus, env)
-            cur = await self._start(spec, env)
+            try:
+                cur = await self._start(spec, env)
+            except OSError as exc:  # (the engine then loads from disk)
+                self._event("weight_cache_failed", detail=f"{spec.argv[0]}: {exc}")
+                return True
         if cur.state == "starting":
             await self._until_ready(cur)
         if not cur.alive():

@@ -260,3 +260,16 @@ def test_without_live_restore_the_next_life_stops_the_previous_sidecar(
     stopped = second.wait_event("server.weight_cache_stopped", pid=wc["pid"], timeout=30)
     assert "live_restore is off" in stopped["reason"]
     wait_until(lambda: not psutil.pid_exists(wc["pid"]), 30, "the sidecar gone")
+
+
+def test_a_sidecar_that_fails_to_start_leaves_the_server_to_load_from_disk(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path, sockets: Path
+) -> None:
+    cfg = _wc(sockets, "org/m", free_port())
+    cfg["env"]["SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE"] = "/dev/null/wc/{device_uuid}.sock"
+    d = start_daemon(procs, tmp_path, fake_gpu, {"wc": cfg}, default="wc")
+    exited = d.wait_event("server.weight_cache_exited", timeout=60)
+    assert exited["returncode"] != 0 and exited["detail"], exited
+    wait_until(lambda: _serving(d, "wc"), 60, "wc to serve from disk")
+    log = Path(d.status()["log_file"]).read_text()
+    assert "falling back to disk load" in log and _sidecar(d) is None
