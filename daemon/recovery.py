@@ -41,6 +41,8 @@ def on_task_failed(m: Machine, msg: ms.TaskFailed) -> None:
                 commands.prewarm_ended(m, ms.PrewarmEnded(swap.id, "failed", evidence))
         case "read_startup":  # records of a launch's start (and the caches'): it serves on
             pass
+        case "weight_cache" | "stop_weight_cache":  # the sidecar's watch or stop, not the server's
+            pass
         case "stop_previous":  # as stopped: the GPU wait kills what holds GPUs
             restoring.boot_go_on(m, "")
         case "boot_start":

@@ -18,12 +18,15 @@ import pytest
 
 from gpuwarden.daemon import weightcache
 from gpuwarden.daemon.configs import ConfigError, ConfigStore
+from gpuwarden.daemon.messages import TaskFailed
 from gpuwarden.daemon.preflight import check_weight_cache
 from gpuwarden.daemon.resolvedconfig import ResolvedConfig
+from gpuwarden.daemon.states import ServerState
 from gpuwarden.standin import fakegpu
 
 from .support.configs import standin_config, write_configs
 from .support.daemon import Daemon, start_daemon
+from .support.machine import FAST, World
 from .support.procs import Proc, free_port, wait_until
 from .support.shim import shims_ended
 
@@ -273,3 +276,17 @@ def test_a_sidecar_that_fails_to_start_leaves_the_server_to_load_from_disk(
     wait_until(lambda: _serving(d, "wc"), 60, "wc to serve from disk")
     log = Path(d.status()["log_file"]).read_text()
     assert "falling back to disk load" in log and _sidecar(d) is None
+
+
+def test_a_failed_watch_or_stop_of_the_sidecar_is_recorded_and_the_server_serves_on(
+    tmp_path: Path,
+) -> None:
+    w = World(tmp_path, **FAST)
+    w.up()
+    for task in ("weight_cache", "stop_weight_cache"):
+        w.send(TaskFailed(task, w.launch.gen, "OSError: boom"))
+        assert w.m.state == ServerState.READY and w.host.called("terminate") == []
+    assert [e["task"] for e in w.host.events("internal_error")] == [
+        "weight_cache",
+        "stop_weight_cache",
+    ]
