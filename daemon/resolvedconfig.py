@@ -86,6 +86,15 @@ class ResolvedConfig:
         return option_value(self.argv, option, self.argv_secrets)
 
     @property
+    def model_path(self) -> str | None:
+        """The model the server loads: its `--model-path`, or `sglang serve MODEL`'s."""
+        value = self.server_option("--model-path")
+        cli = split_command(self.argv)
+        if value is None and cli.module == "sglang.launch_server" and cli.args[:1]:
+            value = cli.args[0] if not cli.args[0].startswith("-") else None
+        return value
+
+    @property
     def port(self) -> int:
         """The server's port, as its parser reads the argv (`command:` and `args` alike);
         SGLang's default when not given or not a number."""

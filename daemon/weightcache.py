@@ -78,10 +78,7 @@ def _model_args(cfg: ResolvedConfig) -> list[str]:
     cli = split_command(cfg.argv)
     args: list[str] = []
     for option in VALUED:
-        value = cfg.server_option(option)
-        if option == "--model-path" and value is None and cli.args[:1]:
-            first = cli.args[0]
-            value = first if not first.startswith("-") else None  # `sglang serve MODEL`
+        value = cfg.model_path if option == "--model-path" else cfg.server_option(option)
         if value is not None:
             args += [option, value]
     args += [flag for flag in FLAGS if flag in cli.args]

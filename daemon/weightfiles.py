@@ -8,7 +8,7 @@ downloaded; nothing found is an empty answer. A swap pre-warms them (`prewarm.py
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -86,9 +86,7 @@ def weight_files(cfg: ResolvedConfig, env: Mapping[str, str]) -> tuple[Path, ...
     out: list[Path] = []
     revision = cfg.server_option("--revision")
     for option in WEIGHT_OPTIONS:
-        value = cfg.server_option(option)
-        if option == "--model-path" and value is None:
-            value = _positional_model(cfg.argv)
+        value = cfg.model_path if option == "--model-path" else cfg.server_option(option)
         if not value:
             continue
         path = Path(value).expanduser()
@@ -101,11 +99,3 @@ def weight_files(cfg: ResolvedConfig, env: Mapping[str, str]) -> tuple[Path, ...
             found = _folder_weights(snap) if snap is not None else []
         out += [p for p in found if p not in out]
     return tuple(out)
-
-
-def _positional_model(argv: Sequence[str]) -> str | None:
-    """`sglang serve MODEL ...`: the model is the first word after `serve`."""
-    for i, word in enumerate(argv[:-1]):
-        if word == "serve" and not argv[i + 1].startswith("-"):
-            return argv[i + 1]
-    return None
