@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.core import Daemon, measured_on
+from bench.core import Daemon, measured_on, write_results
 from tests.real import env as real_env
 from tests.support.procs import free_port
 
@@ -130,10 +130,7 @@ def main() -> int:
         f"Folder: {folders[0]['name'] if folders else '-'}, "
         f"{(folders[0]['bytes'] if folders else 0) / 2**20:.1f} MiB."
     )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / ("compilecache-gpu.md" if GPU_PYTHON else "compilecache.md")).write_text(text)
+    write_results(args.out, "compilecache-gpu.md" if GPU_PYTHON else "compilecache.md", lines)
     return 0
 
 

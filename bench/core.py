@@ -109,6 +109,14 @@ class Daemon:
         self.log.close()
 
 
+def write_results(out: Path, name: str, lines: list[str]) -> None:
+    """A bench's results: printed, and written to `out/name` (`bench/results/` by default)."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(text)
+
+
 def measured_on() -> str:
     """`Measured <time> on <cpu> (<n> cores), Python <v>`: how a results file begins."""
     cpu = platform.processor() or platform.machine()

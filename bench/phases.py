@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.core import Daemon, measured_on, pct
+from bench.core import Daemon, measured_on, pct, write_results
 from tests.real import env as real_env
 from tests.real.conftest import sglang_config
 from tests.support.configs import standin_config
@@ -137,10 +137,7 @@ def main() -> int:
         f"From the third launch on, stand-in: {summary(standin)}.",
         f"From the third launch on, SGLang 0.5.23: {summary(real)}.",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "phases.md").write_text(text)
+    write_results(args.out, "phases.md", lines)
     return 0
 
 

@@ -32,7 +32,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.core import Daemon, free_port, measured_on, pct
+from bench.core import Daemon, free_port, measured_on, pct, write_results
 from gpuwarden.daemon import prewarm
 from gpuwarden.daemon.model import PrewarmProgress
 from gpuwarden.daemon.settings import PrewarmSettings
@@ -188,14 +188,13 @@ def main() -> int:
                     rows.append({**trial(d, port, files, "cached"), "rate": None})
             finally:
                 d.close()
-    text = report(rows, total, cold_s, copy_s, args)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prewarm.md").write_text(text)
+    write_results(args.out, "prewarm.md", report(rows, total, cold_s, copy_s, args))
     return 0
 
 
-def report(rows: list[dict[str, Any]], total: int, cold_s: float, copy_s: float, args: Any) -> str:
+def report(
+    rows: list[dict[str, Any]], total: int, cold_s: float, copy_s: float, args: Any
+) -> list[str]:
     def med(label: str, rate: float | None = None) -> float:
         return statistics.median(
             r["weights_s"]
@@ -243,7 +242,7 @@ def report(rows: list[dict[str, Any]], total: int, cold_s: float, copy_s: float,
             f"requests, against {p99_before * 1000:.1f} ms over {len(before)} before "
             f"({(p99_during / p99_before - 1) * 100:+.1f} %; goal within 10 %).",
         ]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 if __name__ == "__main__":

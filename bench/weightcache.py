@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.core import Daemon, free_port, measured_on
+from bench.core import Daemon, free_port, measured_on, write_results
 from tests.support.configs import standin_config
 
 SHARDS = 30
@@ -112,10 +112,7 @@ def main() -> int:
         f"Median: {c:.2f} s without, {w:.2f} s with the weight cache: {w / c * 100:.0f} % of a "
         "cold start (goal ≤ 25 %).",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "weightcache.md").write_text(text)
+    write_results(args.out, "weightcache.md", lines)
     return 0
 
 
