@@ -333,7 +333,7 @@ class Prewarmer:
             if cancel.is_set():
                 return
             self.post(PrewarmEnded(swap_id, outcome, detail))
-            if outcome in ("failed", "abandoned") and detail.startswith("memory pressure"):
+            if outcome == "abandoned" and detail.startswith("memory pressure"):
                 self.release("memory pressure")
             else:
                 await self._watch(cancel)
