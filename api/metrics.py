@@ -19,7 +19,12 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -174,6 +179,8 @@ class SupervisorCollector(Collector):
             )
         yield from self._launch(snap, status, cfg)
         yield from self._gpus(snap, status)
+        if status.get("proxy"):
+            yield from _proxy(status["proxy"])
 
     def _launch(self, snap: Snapshot, status: dict[str, Any], cfg: str) -> Iterator[Metric]:
         label = {"config": cfg}
@@ -253,6 +260,44 @@ class SupervisorCollector(Collector):
             "Age of the last GPU snapshot",
             status["gpu_snapshot_age_s"],
         )
+
+
+PROXY_COUNTERS = {
+    "requests": "Requests that reached the front proxy",
+    "released": "Requests held while the server was on its way back, then sent on",
+    "rejected": "Requests answered 503 (failed or stopped, past hold_timeout_s or the bounds)",
+    "retried": "Requests whose server died before answering, sent again to the next one",
+    "continued": "Streams cut by a dead server, continued on the next one",
+    "cut": "Responses cut by a dead server (a stream ends with an error event)",
+    "client_gone": "Clients that left before their answer",
+}
+
+
+def _proxy(view: dict[str, Any]) -> Iterator[Metric]:
+    """The front proxy's figures, as it last said them (twice a second)."""
+    up = 1.0 if view.get("connected") else 0.0
+    yield _gauge("gpuwarden_proxy_up", "1 while the daemon is connected to its proxy", up)
+    for key, doc in (
+        ("held", "Requests held now"),
+        ("held_bytes", "Bytes of the requests held now"),
+        ("active", "Requests under way through the proxy (held or sent on)"),
+    ):
+        yield _gauge(f"gpuwarden_proxy_{key}", doc, float(view.get(key) or 0))
+    for key, doc in PROXY_COUNTERS.items():
+        name = "gpuwarden_proxy_cut_streams" if key == "cut" else f"gpuwarden_proxy_{key}"
+        yield CounterMetricFamily(name, doc, float(view.get(key) or 0))
+    hist = view.get("hold_seconds") or {}
+    bounds, counts = list(hist.get("buckets") or []), list(hist.get("counts") or [])
+    if counts and len(counts) == len(bounds) + 1:
+        total, buckets = 0, []
+        for bound, count in zip([*map(str, bounds), "+Inf"], counts, strict=True):
+            total += int(count)
+            buckets.append((bound, total))
+        family = HistogramMetricFamily(
+            "gpuwarden_proxy_hold_seconds", "How long requests were held before their answer"
+        )
+        family.add_metric([], buckets, float(hist.get("sum") or 0.0))
+        yield family
 
 
 def _gauge(name: str, doc: str, value: float, labels: dict[str, str] | None = None) -> Metric:

@@ -2,7 +2,8 @@
 of one concern each: the launch (`launching.py`), the sweep after an exit (`exitsweep.py`),
 probes (`probing.py`), the GPUs (`gpuwatch.py`), the retry (`retrying.py`), records and the
 state file (`records.py`), the compile caches (`compilecache.py`), a swap's pre-warm
-(`prewarm.py`), the weight cache's sidecar (`sidecar.py`), and the tasks they all run in
+(`prewarm.py`), the weight cache's sidecar (`sidecar.py`), the front proxy (`frontproxy.py`),
+and the tasks they all run in
 (`tasks.py`).
 
 The machine calls these methods while it decides; each returns at once. What takes time runs
@@ -28,6 +29,7 @@ from .clock import Clock
 from .compilecache import CompileCaches
 from .configs import ConfigStore
 from .exitsweep import SWEEP_DEADLINE_S, ExitSweep
+from .frontproxy import FrontProxy
 from .gpu import GpuBackend
 from .gpuwatch import GpuWatch, SampleTarget
 from .health import Prober
@@ -122,6 +124,17 @@ class Host:
         self.probes = Probes(prober=prober, clock=clock, tasks=tasks, post=post)
         self.retry = Retry(configs=configs, clock=clock, tasks=tasks, post=post)
         self.prewarmer = Prewarmer(settings.prewarm, tasks, post)
+        self.proxy = (
+            None
+            if settings.proxy is None
+            else FrontProxy(
+                settings.proxy,
+                state_dir=settings.state_dir,
+                log_dir=settings.log_dir,
+                tasks=tasks,
+                post=post,
+            )
+        )
         self.line_listeners = self.launching.line_listeners  # raw: redact to serve
         self.event_listeners = self.records.listeners
         self._settled: dict[str, asyncio.Future[dict[str, Any]]] = {}
@@ -135,6 +148,8 @@ class Host:
         life's servers run under it): every server runs under it. One that cannot be had is
         said, and servers are then started by the daemon itself (they do not outlive it)."""
         await self._connect_shim(again=False)
+        if self.proxy is not None:  # (found running from the previous life, or started)
+            await self.proxy.start()
         self.sidecar.restore(self.settings.live_restore)  # one the previous life left running
 
     async def _connect_shim(self, again: bool, delay_s: float = 0.0) -> None:
@@ -191,6 +206,8 @@ class Host:
                 with contextlib.suppress(ConnectionError, ShimError, TimeoutError):
                     await asyncio.wait_for(self.shim.request("exit"), SHIM_EXIT_WAIT_S)
             self.shim.close()  # with live_restore, the shim and its servers run on
+        if self.proxy is not None:  # (with live_restore it runs on, holding, until the next life)
+            await self.proxy.close(self.settings.live_restore)
         await self.records.close()
         self.prewarmer.cancel()  # its thread ends within a chunk: the daemon's exit waits for it
         self.prewarmer.release("the daemon stopped")

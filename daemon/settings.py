@@ -64,6 +64,22 @@ class PrewarmSettings(_Strict):
     keep_free_ram_fraction: float = Field(0.2, ge=0, lt=1)
 
 
+class ProxySettings(_Strict):
+    """The front proxy (`frontproxy.py`): clients use `listen`; the server stays on its port."""
+
+    listen: str = "127.0.0.1:30080"
+    hold_timeout_s: float = Field(600.0, gt=0)  # a held request older than this gets 503
+    max_held: int = Field(1000, ge=0)
+    max_held_bytes: int = Field(268435456, ge=0)
+    continue_streams: bool = False  # a stream cut by a dead server continues on the next one
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        parse_listen(value)
+        return value
+
+
 class RestartPolicy(_Strict):
     initial_delay_s: float = Field(10.0, ge=0)
     max_delay_s: float = Field(300.0, ge=0)
@@ -146,6 +162,7 @@ class Settings(_Strict):
     # Servers run under the shim (`server/shim.py`) either way. True: they outlive the daemon
     # (its stop, crash or upgrade) and its next start adopts them; false: its stop stops them.
     live_restore: bool = False
+    proxy: ProxySettings | None = None  # absent: no proxy
 
     @field_validator("listen")
     @classmethod

@@ -163,6 +163,8 @@ class Supervisor:
             self.host.flush_records()
         self._save()
         self._snapshot = None
+        if self.host.proxy is not None:  # the front proxy holds, opens or rejects on this
+            self.host.proxy.publish(self.machine, self.snapshot, self.clock.monotonic())
         async with self._changed:
             self._changed.notify_all()
 
@@ -198,8 +200,7 @@ class Supervisor:
     def post(self, msg: Message) -> None:
         self._inbox.put_nowait((msg, None))
 
-    def post_event(self, kind: str, **fields: Any) -> None:
-        """Record an event from outside the owner: posted, so the owner records it."""
+    def post_event(self, kind: str, **fields: Any) -> None:  # (from outside the owner)
         self.post(msgs.EventNoted(kind, fields))
 
     # -- commands --------------------------------------------------------------------------------
@@ -234,10 +235,8 @@ class Supervisor:
 
     async def stop(self) -> Any:
         ticket = self._take_ticket("stop")
-        if self.sweeps is not None:
-            await (
-                self.sweeps.cancel_for_stop()
-            )  # stop wins over a sweep: it ends, restoring nothing
+        if self.sweeps is not None:  # stop wins over a sweep: it ends, restoring nothing
+            await self.sweeps.cancel_for_stop()
         return await self.request(msgs.StopRequested(ticket=ticket))
 
     async def restart(
@@ -383,6 +382,7 @@ class Supervisor:
             sweep=self.sweeps.running_view() if self.sweeps is not None else None,
             supervising=self.stuck() is None,
             booting=self.booting(),
+            proxy=self.host.proxy.view() if self.host.proxy is not None else None,
         )
 
     def booting(self) -> bool:

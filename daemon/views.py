@@ -41,6 +41,7 @@ class Snapshot:
     launch_argv: tuple[str, ...] | None  # the launch's own argv (its secrets in it: never shown)
     pid: int | None  # the running server's main process
     replacing_port: int | None  # its port (a swap's preflight lets the new config reuse it)
+    upstream: tuple[str, int] | None  # the launch's address (the front proxy's upstream)
     started_at: float | None
     ready_at: float | None
     ready_mono: float | None
@@ -103,6 +104,7 @@ def take(m: Machine) -> Snapshot:
         launch_argv=tuple(launch.config.argv) if launch else None,
         pid=launch.child.pid if launch and launch.child and launch.running else None,
         replacing_port=launch.config.port if launch and launch.running else None,
+        upstream=(launch.config.host, launch.config.port) if launch else None,
         started_at=launch.started_at if launch else None,
         ready_at=launch.ready_at if launch else None,
         ready_mono=launch.ready_mono if launch else None,
@@ -241,6 +243,7 @@ def status_now(
     sweep: dict[str, Any] | None,
     supervising: bool,
     booting: bool,
+    proxy: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`status_fixed`'s body (of the same snapshot, shared: not changed here) with the fields
     that move with time filled in, read at this moment."""
@@ -256,6 +259,7 @@ def status_now(
         "supervising": supervising,
         "booting": booting,
         "phase": phase(snap, now_mono),
+        "proxy": proxy,  # the front proxy's figures (`proxy:` set), as it last said them
     }
 
 

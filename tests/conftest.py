@@ -14,6 +14,7 @@ import pytest
 from gpuwarden.standin import fakegpu
 
 from .support.procs import PY, Proc, free_port, owned_processes
+from .support.proxy import end_proxies
 from .support.shim import end_shims
 
 # A run started in the background by a non-interactive shell ignores SIGINT, and so would every
@@ -35,11 +36,13 @@ def procs() -> Iterator[list[Proc]]:
 @pytest.fixture(autouse=True)
 def _shims_ended(tmp_path: Path) -> Iterator[None]:
     """Every daemon runs its servers under a shim of its state directory, which outlives a
-    daemon that is SIGKILLed: after the test (and after `procs` has ended its daemons and their
-    servers), the shims of the test's own folder are ended."""
+    daemon that is SIGKILLed, as its front proxy does: after the test (and after `procs` has
+    ended its daemons and their servers), the shims and proxies of the test's folder are
+    ended."""
     yield
     root = str(tmp_path)
     end_shims(lambda folder: folder == root or folder.startswith(root + os.sep))
+    end_proxies(lambda path: path.startswith(root + os.sep))
 
 
 @pytest.fixture

@@ -1,0 +1,341 @@
+"""The proxy's client side: each connection's requests, admitted by the gate, sent to the
+server over a pooled connection, and its response passed back as it arrives.
+
+A request is read whole first (a prompt; it is sent again if its server dies before a byte of
+the answer). A response passes through unbuffered: a body framed by length is copied, a
+chunked one is passed on chunk by chunk, and server-sent events are passed on at event
+boundaries, so that a stream cut by a dead server can end with a well-formed error event (or,
+with `continue_streams`, go on from the next server: `resume.py`). A slow client slows only
+its own response (its writes wait; its server's socket fills); one that leaves ends its request
+at the server (the connection closes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import Any
+
+from .gate import Gate, Gone, Rejected
+from .resume import Resumer
+from .wire import (
+    HOP,
+    LAST_CHUNK,
+    MAX_HEAD,
+    BadMessage,
+    Closed,
+    Events,
+    Inbound,
+    Request,
+    chunk,
+    parse_head,
+    parse_request,
+    read_body,
+    response_body,
+    status_of,
+)
+
+IDLE_CLIENT_S = 120.0  # a client connection with no request for this long is closed
+POOL_IDLE_S = 4.0  # uvicorn closes an idle keep-alive after 5 s: a pooled one older is dropped
+POOL_MAX = 64  # idle connections kept per server
+HELD_HEADER = b"x-gpuwarden-held-s"
+UPSTREAM_ERRORS = (OSError, Closed, asyncio.IncompleteReadError, BadMessage)
+
+
+async def _until_eof(inb: Inbound) -> None:
+    """Ends when the client closes its connection; what it sends meanwhile (a next request)
+    is kept in its buffer, up to a head's worth."""
+    while len(inb.buf) < MAX_HEAD and await inb.fill():
+        pass
+    if len(inb.buf) >= MAX_HEAD:
+        await asyncio.get_running_loop().create_future()  # (no more read: cancelled later)
+
+
+class Upstream:
+    """One connection to the server."""
+
+    __slots__ = ("epoch", "idle_since", "inb", "writer")
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, epoch: int
+    ) -> None:
+        self.inb, self.writer, self.epoch = Inbound(reader), writer, epoch
+        self.idle_since = 0.0
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+class Pool:
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+        self.idle: list[Upstream] = []
+
+    async def get(self, address: tuple[str, int]) -> tuple[Upstream, bool]:
+        """A connection to `address` (and whether it was pooled, so may be stale)."""
+        now = time.monotonic()
+        while self.idle:
+            conn = self.idle.pop()
+            fresh = conn.epoch == self.gate.epoch and now - conn.idle_since < POOL_IDLE_S
+            if fresh and not conn.writer.transport.is_closing() and not conn.inb.reader.at_eof():
+                return conn, True
+            conn.close()
+        reader, writer = await asyncio.open_connection(*address)
+        return Upstream(reader, writer, self.gate.epoch), False
+
+    def put(self, conn: Upstream) -> None:
+        if conn.epoch != self.gate.epoch or len(self.idle) >= POOL_MAX or conn.inb.buf:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        self.idle.append(conn)
+
+
+def error_body(state: str, message: str, **extra: Any) -> bytes:
+    return json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "server_unavailable",
+                "code": 503,
+                "state": state,
+                **extra,
+            }
+        }
+    ).encode()
+
+
+def simple_response(status: int, reason: bytes, body: bytes, extra: list[bytes]) -> bytes:
+    head = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+    head += extra
+    head.append(b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body))
+    return b"".join(head) + body
+
+
+class Front:
+    """The proxy's listener: every client connection, every request."""
+
+    def __init__(self, gate: Gate, resume: Resumer | None = None) -> None:
+        self.gate = gate
+        self.pool = Pool(gate)
+        self.resume = resume  # continue_streams: resumes a cut stream (`resume.py`)
+        self.active = 0  # requests under way (held, or sent on and not answered whole yet)
+        self.drained = asyncio.Event()  # set: none is
+        self.drained.set()
+        self.clients: set[asyncio.StreamWriter] = set()
+
+    async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.clients.add(writer)
+        inb = Inbound(reader)
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(IDLE_CLIENT_S):
+                        head = await inb.head()
+                except TimeoutError:
+                    return
+                if head is None:
+                    return
+                try:
+                    request = parse_request(head)
+                    request.body = await read_body(
+                        inb, request.head, self.gate.limits.max_held_bytes
+                    )
+                except BadMessage as exc:
+                    body = json.dumps({"error": {"message": str(exc), "code": 400}}).encode()
+                    writer.write(
+                        simple_response(400, b"Bad Request", body, [b"connection: close\r\n"])
+                    )
+                    return
+                if not await self.exchange(request, inb, writer):
+                    return
+        except (OSError, Closed, asyncio.IncompleteReadError):
+            return
+        finally:
+            self.clients.discard(writer)
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    async def exchange(self, request: Request, inb: Inbound, writer: asyncio.StreamWriter) -> bool:
+        """One request through; whether the client connection stays open."""
+        self.active += 1
+        self.drained.clear()
+        try:
+            return await self._exchange(request, inb, writer)
+        finally:
+            self.active -= 1
+            if not self.active:
+                self.drained.set()
+
+    async def _exchange(self, request: Request, inb: Inbound, writer: asyncio.StreamWriter) -> bool:
+        gate, counters = self.gate, self.gate.counters
+        counters.requests += 1
+        arrived = time.monotonic()
+        held = False
+        sent_once = False
+        while True:
+            held = held or (not gate.usable and gate.mode != "reject")
+            gone = None if gate.usable else asyncio.ensure_future(_until_eof(inb))
+            try:
+                address = await gate.admit(arrived, len(request.body), gone)
+            except Rejected as exc:
+                return self._reject(writer, request, exc, arrived, held)
+            except Gone:
+                counters.client_gone += 1
+                return False
+            finally:
+                if gone is not None and not gone.done():
+                    gone.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, OSError):
+                        await gone
+            try:
+                conn, pooled = await self.pool.get(address)
+            except OSError:
+                gate.refused(address)
+                continue
+            try:
+                conn.writer.write(request.upstream_bytes())
+                head_bytes = await conn.inb.head()
+                if head_bytes is None:
+                    raise Closed("the server closed the connection before answering")
+                head = parse_head(head_bytes)
+                status = status_of(head)
+            except UPSTREAM_ERRORS:
+                conn.close()
+                if not pooled:  # (a pooled one may have been closed idle: try a fresh one)
+                    gate.refused(address)
+                    if not sent_once:
+                        counters.retried += 1
+                        sent_once = True
+                continue
+            if held:
+                counters.released += 1
+                counters.held_for(time.monotonic() - arrived)
+            return await self._relay(
+                request,
+                conn,
+                head=head,
+                status=status,
+                writer=writer,
+                arrived=arrived,
+                held=held,
+                address=address,
+            )
+
+    async def _relay(
+        self,
+        request: Request,
+        conn: Upstream,
+        *,
+        head: Any,
+        status: int,
+        writer: asyncio.StreamWriter,
+        arrived: float,
+        held: bool,
+        address: tuple[str, int],
+    ) -> bool:
+        body = response_body(request, status, head)
+        events = (head.get(b"content-type") or b"").startswith(b"text/event-stream")
+        client_chunked = request.version == b"HTTP/1.1"
+        keep = request.keep_alive and b"close" not in head.tokens(b"connection")
+        out = [b"HTTP/1.1%s\r\n" % head.first[8:]]
+        out.extend(b"%s: %s\r\n" % kv for kv in head.fields if kv[0] not in HOP)
+        if body.kind == "length" and not events:
+            out.append(b"content-length: %d\r\n" % body._left)
+            framing = "raw"
+        elif body.kind == "none":
+            if head.get(b"content-length") is not None:
+                out.append(b"content-length: %s\r\n" % head.get(b"content-length"))
+            framing = "raw"
+        elif client_chunked:
+            out.append(b"transfer-encoding: chunked\r\n")
+            framing = "chunked"
+        else:
+            framing, keep = "close", False
+        if held:
+            out.append(b"%s: %.3f\r\n" % (HELD_HEADER, time.monotonic() - arrived))
+        out.append(b"connection: keep-alive\r\n\r\n" if keep else b"connection: close\r\n\r\n")
+        writer.write(b"".join(out))
+        sse = Events() if events else None
+        up = conn.inb
+        try:
+            while True:
+                data = body.feed(up.buf)
+                if sse is not None:
+                    data = sse.feed(data)
+                if data:
+                    writer.write(chunk(data) if framing == "chunked" else data)
+                    if writer.transport.get_write_buffer_size() > 65536:
+                        await writer.drain()
+                    if writer.transport.is_closing():
+                        raise ConnectionResetError("the client left")
+                if body.done:
+                    break
+                if not await up.fill():
+                    if body.kind == "close":
+                        break
+                    raise Closed("the server closed the connection mid-response")
+        except ConnectionResetError:
+            conn.close()
+            self.gate.counters.client_gone += 1
+            return False
+        except UPSTREAM_ERRORS as exc:
+            conn.close()
+            self.gate.refused(address)
+            return self._cut(request, writer, framing, sse is not None, exc)
+        if framing == "chunked":
+            writer.write(LAST_CHUNK)
+        if body.kind in ("length", "chunked", "none") and b"close" not in head.tokens(
+            b"connection"
+        ):
+            self.pool.put(conn)
+        else:
+            conn.close()
+        await writer.drain()
+        return keep
+
+    def _cut(
+        self,
+        request: Request,
+        writer: asyncio.StreamWriter,
+        framing: str,
+        events: bool,
+        exc: BaseException,
+    ) -> bool:
+        """The server died mid-response: a stream ends with an error event and its end; any
+        other body cannot be finished, so the connection closes."""
+        self.gate.counters.cut += 1
+        if not events or framing == "raw":
+            return False
+        message = f"the server ended mid-stream ({exc}); gpuwarden is bringing it back"
+        event = b"data: " + error_body(self.gate.state, message) + b"\n\ndata: [DONE]\n\n"
+        if framing == "chunked":
+            writer.write(chunk(event) + LAST_CHUNK)
+            return request.keep_alive
+        writer.write(event)
+        return False
+
+    def _reject(
+        self,
+        writer: asyncio.StreamWriter,
+        request: Request,
+        exc: Rejected,
+        arrived: float,
+        held: bool,
+    ) -> bool:
+        extra = []
+        if exc.retry_after_s is not None:
+            extra.append(b"retry-after: %d\r\n" % exc.retry_after_s)
+        held_s = time.monotonic() - arrived
+        if held:
+            extra.append(b"%s: %.3f\r\n" % (HELD_HEADER, held_s))
+            self.gate.counters.held_for(held_s)
+        extra.append(
+            b"connection: keep-alive\r\n" if request.keep_alive else b"connection: close\r\n"
+        )
+        body = error_body(exc.state, exc.message, held_s=round(held_s, 3) if held else 0.0)
+        writer.write(simple_response(503, b"Service Unavailable", body, extra))
+        return request.keep_alive

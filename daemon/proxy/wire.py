@@ -1,0 +1,280 @@
+"""HTTP/1.1 as the front proxy needs it: buffered reads, message heads, body framing decoded
+from whatever has arrived, and server-sent events cut at event boundaries.
+
+Bodies are decoded incrementally over one buffer per connection (no copy per token beyond the
+slice), so a streamed response passes on as soon as its bytes arrive. Standard library only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+READ_SIZE = 65536
+MAX_HEAD = 65536
+MAX_CHUNK_LINE = 4096
+# Hop-by-hop fields (RFC 9110 7.6.1) and the framing, which the proxy sets itself.
+HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"transfer-encoding",
+        b"content-length",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"expect",
+    }
+)
+
+
+class Closed(Exception):
+    """The peer closed the connection before the message was whole."""
+
+
+class BadMessage(Exception):
+    """What arrived is not HTTP/1.1 the proxy can pass on."""
+
+
+class Inbound:
+    """Buffered reads from one connection's stream."""
+
+    __slots__ = ("buf", "reader")
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.reader = reader
+        self.buf = bytearray()
+
+    async def fill(self) -> bool:
+        """More bytes into the buffer; False at the end of the stream."""
+        data = await self.reader.read(READ_SIZE)
+        if not data:
+            return False
+        self.buf += data
+        return True
+
+    async def head(self, limit: int = MAX_HEAD) -> bytes | None:
+        """One message head (through its blank line); None at a clean end between messages."""
+        start = 0
+        while True:
+            end = self.buf.find(b"\r\n\r\n", max(0, start - 3))
+            if end >= 0:
+                head = bytes(self.buf[: end + 4])
+                del self.buf[: end + 4]
+                return head
+            if len(self.buf) > limit:
+                raise BadMessage(f"a message head over {limit} bytes")
+            start = len(self.buf)
+            if not await self.fill():
+                if self.buf.strip():
+                    raise Closed("the connection closed inside a message head")
+                return None
+
+    async def exactly(self, size: int) -> bytes:
+        while len(self.buf) < size:
+            if not await self.fill():
+                raise Closed(f"the connection closed {size - len(self.buf)} bytes short")
+        data = bytes(self.buf[:size])
+        del self.buf[:size]
+        return data
+
+
+@dataclass(slots=True)
+class Head:
+    first: bytes  # the request or status line
+    fields: list[tuple[bytes, bytes]]  # (lower-case name, value), in order
+
+    def get(self, name: bytes) -> bytes | None:
+        found = None
+        for key, value in self.fields:
+            if key == name:
+                found = value
+        return found
+
+    def tokens(self, name: bytes) -> set[bytes]:
+        out: set[bytes] = set()
+        for key, value in self.fields:
+            if key == name:
+                out.update(t.strip().lower() for t in value.split(b","))
+        return out
+
+
+def parse_head(data: bytes) -> Head:
+    lines = data[:-4].split(b"\r\n")
+    fields = []
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep or not name or name != name.strip() or b" " in name:
+            raise BadMessage(f"a malformed header line: {line[:80]!r}")
+        fields.append((name.lower(), value.strip()))
+    return Head(lines[0], fields)
+
+
+@dataclass(slots=True)
+class Request:
+    method: bytes
+    target: bytes
+    version: bytes
+    head: Head
+    body: bytes = b""
+
+    @property
+    def keep_alive(self) -> bool:
+        conn = self.head.tokens(b"connection")
+        if self.version == b"HTTP/1.0":
+            return b"keep-alive" in conn
+        return b"close" not in conn
+
+    def upstream_bytes(self) -> bytes:
+        """The request as the server gets it: HTTP/1.1, its body framed by length."""
+        out = [b"%s %s HTTP/1.1\r\n" % (self.method, self.target)]
+        out.extend(b"%s: %s\r\n" % kv for kv in self.head.fields if kv[0] not in HOP)
+        out.append(b"content-length: %d\r\n\r\n" % len(self.body))
+        out.append(self.body)
+        return b"".join(out)
+
+
+def parse_request(data: bytes) -> Request:
+    head = parse_head(data)
+    parts = head.first.split(b" ")
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+        raise BadMessage(f"not an HTTP/1.x request line: {head.first[:80]!r}")
+    return Request(parts[0], parts[1], parts[2], head)
+
+
+async def read_body(inb: Inbound, head: Head, limit: int) -> bytes:
+    """A request's body, whole (it is sent again if its server dies before answering)."""
+    if b"chunked" in head.tokens(b"transfer-encoding"):
+        decoder = Body("chunked", 0)
+        out = bytearray()
+        while not decoder.done:
+            out += decoder.feed(inb.buf)
+            if len(out) > limit:
+                raise BadMessage(f"a request body over {limit} bytes")
+            if not decoder.done and not await inb.fill():
+                raise Closed("the connection closed inside a chunked body")
+        return bytes(out)
+    length = head.get(b"content-length")
+    if length is None:
+        return b""
+    if not length.isdigit():
+        raise BadMessage(f"a bad content-length: {length[:40]!r}")
+    if int(length) > limit:
+        raise BadMessage(f"a request body of {int(length)} bytes, over {limit}")
+    return await inb.exactly(int(length))
+
+
+class Body:
+    """A response body's framing (`length`, `chunked`, `close` or `none`), decoded from the
+    connection's buffer as bytes arrive."""
+
+    __slots__ = ("_crlf", "_left", "_trailers", "done", "kind")
+
+    def __init__(self, kind: str, length: int) -> None:
+        self.kind = kind
+        self._left = length if kind == "length" else 0
+        self._crlf = 0
+        self._trailers = False
+        self.done = kind == "none" or (kind == "length" and length == 0)
+
+    def feed(self, buf: bytearray) -> bytes:
+        """The payload in `buf` so far (consumed from it)."""
+        if self.kind == "close":
+            data = bytes(buf)
+            buf.clear()
+            return data
+        if self.kind == "length":
+            take = min(self._left, len(buf))
+            data = bytes(buf[:take])
+            del buf[:take]
+            self._left -= take
+            self.done = self._left == 0
+            return data
+        out = bytearray()
+        while buf and not self.done:
+            if self._left:
+                take = min(self._left, len(buf))
+                out += buf[:take]
+                del buf[:take]
+                self._left -= take
+                if not self._left:
+                    self._crlf = 2
+                continue
+            if self._crlf:
+                take = min(self._crlf, len(buf))
+                del buf[:take]
+                self._crlf -= take
+                continue
+            end = buf.find(b"\r\n")
+            if end < 0:
+                if len(buf) > MAX_CHUNK_LINE:
+                    raise BadMessage("a chunk-size line too long")
+                break
+            line = bytes(buf[:end])
+            del buf[: end + 2]
+            if self._trailers:
+                self.done = not line
+                continue
+            try:
+                size = int(line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                raise BadMessage(f"a bad chunk size: {line[:40]!r}") from None
+            if size == 0:
+                self._trailers = True
+            self._left = size
+        return bytes(out)
+
+
+def response_body(request: Request, status: int, head: Head) -> Body:
+    if request.method == b"HEAD" or status < 200 or status in (204, 304):
+        return Body("none", 0)
+    if b"chunked" in head.tokens(b"transfer-encoding"):
+        return Body("chunked", 0)
+    length = head.get(b"content-length")
+    if length is not None and length.isdigit():
+        return Body("length", int(length))
+    return Body("close", 0)
+
+
+def status_of(head: Head) -> int:
+    parts = head.first.split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        raise BadMessage(f"not an HTTP/1.x status line: {head.first[:80]!r}")
+    return int(parts[1])
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+LAST_CHUNK = b"0\r\n\r\n"
+
+
+class Events:
+    """Server-sent events, passed on whole: bytes up to the last event boundary."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self) -> None:
+        self.pending = bytearray()
+
+    def feed(self, data: bytes) -> bytes:
+        self.pending += data
+        lf, crlf = self.pending.rfind(b"\n\n"), self.pending.rfind(b"\r\n\r\n")
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        if not end:
+            return b""
+        out = bytes(self.pending[:end])
+        del self.pending[:end]
+        return out
+
+
+def split_events(data: bytes) -> list[bytes]:
+    """Each event's data (its `data:` lines joined), in order."""
+    out = []
+    for block in data.replace(b"\r\n", b"\n").split(b"\n\n"):
+        lines = [ln[5:].lstrip(b" ") for ln in block.split(b"\n") if ln.startswith(b"data:")]
+        if lines:
+            out.append(b"\n".join(lines))
+    return out
