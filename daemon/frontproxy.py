@@ -46,7 +46,7 @@ HOLD = frozenset(
 def gate_word(snap: Snapshot, now_mono: float) -> dict[str, Any]:
     """What the proxy does with a request now, from the machine's snapshot."""
     state = snap.state
-    word: dict[str, Any] = {"state": str(state), "config": snap.current_config}
+    word: dict[str, Any] = {"state": str(state), "config": snap.current_config, "model": snap.model}
     if state == ServerState.READY and snap.upstream is not None:
         return {**word, "mode": "open", "upstream": list(snap.upstream)}
     if state in HOLD or (state == ServerState.STOPPING and snap.intent_running):

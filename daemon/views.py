@@ -42,6 +42,7 @@ class Snapshot:
     pid: int | None  # the running server's main process
     replacing_port: int | None  # its port (a swap's preflight lets the new config reuse it)
     upstream: tuple[str, int] | None  # the launch's address (the front proxy's upstream)
+    model: str | None  # the model it loads (a cut stream goes on only on the same one)
     started_at: float | None
     ready_at: float | None
     ready_mono: float | None
@@ -105,6 +106,7 @@ def take(m: Machine) -> Snapshot:
         pid=launch.child.pid if launch and launch.child and launch.running else None,
         replacing_port=launch.config.port if launch and launch.running else None,
         upstream=(launch.config.host, launch.config.port) if launch else None,
+        model=launch.config.model_path if launch else None,
         started_at=launch.started_at if launch else None,
         ready_at=launch.ready_at if launch else None,
         ready_mono=launch.ready_mono if launch else None,

@@ -82,14 +82,48 @@ class EngineClient:
                 self.send(("abort", rid))
 
 
-def token_text(start: int, count: int, pieces: bool = False) -> str:
-    """Filler text for tokens start..start+count: a word each, or with `pieces` half a word
-    each (the second half carries the space), so that words are not tokens."""
+def vocab_size(pieces: bool = False) -> int:
+    """The stand-in's vocabulary: a token per word (with `pieces`, per half word)."""
+    return len(WORDS) * (2 if pieces else 1)
+
+
+def piece_of(token_id: int, pieces: bool = False) -> str:
+    """A token's text: its word and a space, or with `pieces` half a word (the second half
+    carries the space), so that words are not tokens."""
     if not pieces:
-        return "".join(WORDS[(start + i) % len(WORDS)] + " " for i in range(count))
+        return WORDS[token_id % len(WORDS)] + " "
+    i = token_id % vocab_size(True)
+    word = WORDS[i // 2]
+    cut = max(1, len(word) // 2)
+    return word[:cut] if i % 2 == 0 else word[cut:] + " "
+
+
+def next_ids(context_last: int | None, start: int, count: int, pieces: bool = False) -> list[int]:
+    """Tokens start..start+count of a greedy decode: each is the one after the context's last
+    token (the sequence begins at token 0 after a prompt the vocabulary does not end), so a
+    decode resumed from prompt + its first k tokens goes on with token k exactly."""
+    size = vocab_size(pieces)
+    first = 0 if context_last is None else (context_last + 1) % size
+    return [(first + i) % size for i in range(start, start + count)]
+
+
+def token_text(start: int, count: int, pieces: bool = False) -> str:
+    """Filler text for tokens start..start+count after a prompt of unknown words."""
+    return "".join(piece_of(i, pieces) for i in next_ids(None, start, count, pieces))
+
+
+def tokenize(text: str, pieces: bool = False) -> list[int]:
+    """The stand-in's tokenizer: a known word is its token (or two, with `pieces`); an
+    unknown one is the vocabulary's last token."""
     out = []
-    for i in range(start, start + count):
-        word = WORDS[(i // 2) % len(WORDS)]
-        cut = max(1, len(word) // 2)
-        out.append(word[:cut] if i % 2 == 0 else word[cut:] + " ")
-    return "".join(out)
+    for word in text.split():
+        if word in WORDS:
+            i = WORDS.index(word)
+            out += [2 * i, 2 * i + 1] if pieces else [i]
+        else:
+            out.append(vocab_size(pieces) - 1)
+    return out
+
+
+def detokenize(ids: list[int], pieces: bool = False) -> str:
+    return "".join(piece_of(int(i), pieces) for i in ids)

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .drain import on_first_request
-from .engine import token_text
+from .engine import detokenize, next_ids, piece_of, token_text, tokenize
 
 if TYPE_CHECKING:
     from .server import StandinServer
@@ -73,19 +73,28 @@ def generate_routes(server: StandinServer) -> list[Route]:
         max_new, reason = length(
             int(params.get("max_new_tokens", 128)), params.get("ignore_eos", False)
         )
-        prompt = body.get("text") or ""
-        prompt_tokens = len(body.get("input_ids") or []) or max(1, len(str(prompt).split()))
+        given = body.get("input_ids")
+        if isinstance(given, list) and all(isinstance(i, int) for i in given) and given:
+            prompt_ids = list(given)
+        else:
+            prompt_ids = tokenize(str(body.get("text") or ""), pieces)
+        prompt_tokens = max(1, len(prompt_ids))
+        context_last = prompt_ids[-1] if prompt_ids else None
         rid = uuid.uuid4().hex
 
         async def run() -> AsyncIterator[dict[str, Any]]:
             done = 0
             text = ""
+            ids: list[int] = []
             tic = time.monotonic()
             async for n in server.engine.generate(prompt_tokens, max_new):  # type: ignore[union-attr]
-                text += token_text(done, n, pieces)
+                new = next_ids(context_last, done, n, pieces)
+                ids += new
+                text += "".join(piece_of(i, pieces) for i in new)
                 done += n
                 yield {
                     "text": text,
+                    "output_ids": list(ids),  # (cumulative, as SGLang's default stream)
                     "meta_info": {
                         "id": rid,
                         "finish_reason": (
@@ -214,7 +223,39 @@ def generate_routes(server: StandinServer) -> list[Route]:
             }
         )
 
+    async def tokenize_route(request: Request) -> Response:
+        """SGLang's /tokenize: a prompt (or a list of them) to token ids."""
+        body = await read_json(request)
+        if isinstance(body, Response):
+            return body
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            tokens: Any = [tokenize(str(p), pieces) for p in prompt]
+            count: Any = [len(t) for t in tokens]
+        elif isinstance(prompt, str):
+            tokens = tokenize(prompt, pieces)
+            count = len(tokens)
+        else:
+            return JSONResponse({"error": "prompt must be a string or a list"}, status_code=400)
+        return JSONResponse({"tokens": tokens, "count": count, "max_model_len": 4096})
+
+    async def detokenize_route(request: Request) -> Response:
+        """SGLang's /detokenize: token ids (or a list of lists) to text."""
+        body = await read_json(request)
+        if isinstance(body, Response):
+            return body
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list):
+            return JSONResponse({"error": "tokens must be a list"}, status_code=400)
+        if tokens and isinstance(tokens[0], list):
+            return JSONResponse({"text": [detokenize(t, pieces) for t in tokens]})
+        return JSONResponse({"text": detokenize(tokens, pieces)})
+
     return [
+        Route("/tokenize", tokenize_route, methods=["POST"]),
+        Route("/v1/tokenize", tokenize_route, methods=["POST"]),
+        Route("/detokenize", detokenize_route, methods=["POST"]),
+        Route("/v1/detokenize", detokenize_route, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),

@@ -5,6 +5,7 @@ dies under a request or a stream, clients that stall or leave."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import signal
 import socket
@@ -12,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -102,7 +104,7 @@ def test_held_requests_go_through_once_the_gate_opens_with_the_time_held(
 
 
 async def test_the_gate_releases_its_waiters_in_arrival_order() -> None:
-    gate = Gate(Limits(), connect=None)
+    gate = Gate(Limits(), None)
     order: list[int] = []
 
     async def one(i: int) -> None:
@@ -121,7 +123,7 @@ async def test_the_gate_releases_its_waiters_in_arrival_order() -> None:
 
 
 async def test_a_full_queue_and_a_rejecting_gate_answer_at_once() -> None:
-    gate = Gate(Limits(hold_timeout_s=30, max_held=2, max_held_bytes=100), connect=None)
+    gate = Gate(Limits(hold_timeout_s=30, max_held=2, max_held_bytes=100), None)
     waiting = [asyncio.create_task(gate.admit(time.monotonic(), 10, None)) for _ in range(2)]
     await asyncio.sleep(0.01)
     with pytest.raises(Rejected) as full:
@@ -266,3 +268,69 @@ def _rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
+
+
+def stream_events(
+    c: httpx.Client, url: str, body: dict[str, Any], on_first: Any = None
+) -> list[dict[str, Any]]:
+    out = []
+    with c.stream("POST", url + "/generate", json=body) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[6:]))
+                if on_first is not None and len(out) == 5:
+                    on_first()
+    return out
+
+
+@pytest.mark.parametrize("tokens", ["words", "pieces"])
+def test_a_cut_generate_stream_continues_on_the_next_server_token_exactly(
+    procs: list[Proc], tmp_path: Path, standin: Callable[..., Proc], tokens: str
+) -> None:
+    flags = ("--standin-token-text", tokens)
+    server = ready(standin(*flags))
+    port = server.port  # type: ignore[attr-defined]
+    body = {"text": "engineers tune", "stream": True, "sampling_params": {"max_new_tokens": 120}}
+    with running_proxy(procs, tmp_path, "--continue-streams") as (url, control, _):
+        control.gate("open", port, state="ready", model="m")
+        with httpx.Client(timeout=30) as c:
+            whole = stream_events(c, f"http://127.0.0.1:{port}", body)
+
+            def crash_and_replace() -> None:
+                server.popen.send_signal(signal.SIGKILL)
+                server.popen.wait()
+                threading.Thread(target=lambda: ready(standin(*flags, port=port))).start()
+
+            spliced = stream_events(c, url, body, on_first=crash_and_replace)
+        figures = control.stats(lambda s: s["continued"] == 1)
+    assert figures["cut"] == 0
+    assert spliced[-1]["text"] == whole[-1]["text"]  # byte-identical
+    assert spliced[-1]["output_ids"] == whole[-1]["output_ids"]
+    assert spliced[-1]["meta_info"]["completion_tokens"] == 120
+    assert spliced[-1]["meta_info"]["id"] == spliced[0]["meta_info"]["id"]
+    for before, after in itertools.pairwise(spliced):  # none duplicated or missing
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+        assert len(after["output_ids"]) > len(before["output_ids"])
+        assert after["text"].startswith(before["text"])
+
+
+def test_a_cut_stream_of_another_model_ends_with_an_error_event(
+    procs: list[Proc], tmp_path: Path, standin: Callable[..., Proc]
+) -> None:
+    server = ready(standin())
+    port = server.port  # type: ignore[attr-defined]
+    body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 2000}}
+    with running_proxy(procs, tmp_path, "--continue-streams") as (url, control, _):
+        control.gate("open", port, state="ready", model="a")
+        with httpx.Client(timeout=30) as c, c.stream("POST", url + "/generate", json=body) as s:
+            lines = s.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            server.popen.send_signal(signal.SIGKILL)
+            control.stats(lambda f: f["down"])
+            ready(standin(port=port))
+            control.gate("open", port, state="ready", model="b")  # a swap to another model
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert (
+            rest[-1] == "[DONE]" and "serves b, not a" in json.loads(rest[-2])["error"]["message"]
+        )
+        assert control.stats(lambda f: f["cut"] == 1)["continued"] == 0

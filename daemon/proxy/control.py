@@ -37,7 +37,7 @@ MAX_LINE = 1 << 20
 class Proxy:
     def __init__(self, args: argparse.Namespace) -> None:
         self.limits = Limits(args.hold_timeout_s, args.max_held, args.max_held_bytes)
-        self.gate = Gate(self.limits, _connect)
+        self.gate = Gate(self.limits, None)
         self.resumer = Resumer(self.gate)
         self.front = Front(self.gate, self.resumer if args.continue_streams else None)
         self.listen, self.control_path = args.listen, Path(args.control)
@@ -131,11 +131,6 @@ class Proxy:
         with contextlib.suppress(FileNotFoundError):
             self.control_path.unlink()
         return 0
-
-
-async def _connect(address: tuple[str, int]) -> asyncio.StreamWriter:
-    _, writer = await asyncio.open_connection(*address)
-    return writer
 
 
 def _line(obj: dict[str, Any]) -> bytes:

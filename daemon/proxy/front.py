@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from .gate import Gate, Gone, Rejected
-from .resume import Resumer
+from .resume import CannotResume, Followed, Resumer, follow
 from .wire import (
     HOP,
     LAST_CHUNK,
@@ -40,8 +40,25 @@ from .wire import (
 IDLE_CLIENT_S = 120.0  # a client connection with no request for this long is closed
 POOL_IDLE_S = 4.0  # uvicorn closes an idle keep-alive after 5 s: a pooled one older is dropped
 POOL_MAX = 64  # idle connections kept per server
+WRITE_HIGH = 65536  # bytes waiting for a client before its answer waits for it
 HELD_HEADER = b"x-gpuwarden-held-s"
 UPSTREAM_ERRORS = (OSError, Closed, asyncio.IncompleteReadError, BadMessage)
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its answer was being written."""
+
+
+async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
+    """Write to a client; wait only while its socket is full (it reads slowly)."""
+    writer.write(data)
+    if writer.transport.is_closing():
+        raise ClientGone()
+    if writer.transport.get_write_buffer_size() > WRITE_HIGH:
+        try:
+            await writer.drain()
+        except OSError:
+            raise ClientGone() from None
 
 
 async def _until_eof(inb: Inbound) -> None:
@@ -214,9 +231,11 @@ class Front:
             if held:
                 counters.released += 1
                 counters.held_for(time.monotonic() - arrived)
+            followed = follow(request, gate.model) if self.resume is not None else None
             return await self._relay(
                 request,
                 conn,
+                followed=followed,
                 head=head,
                 status=status,
                 writer=writer,
@@ -230,6 +249,7 @@ class Front:
         request: Request,
         conn: Upstream,
         *,
+        followed: Followed | None,
         head: Any,
         status: int,
         writer: asyncio.StreamWriter,
@@ -266,26 +286,34 @@ class Front:
                 data = body.feed(up.buf)
                 if sse is not None:
                     data = sse.feed(data)
+                    if followed is not None and data:
+                        followed.saw(data)
                 if data:
-                    writer.write(chunk(data) if framing == "chunked" else data)
-                    if writer.transport.get_write_buffer_size() > 65536:
-                        await writer.drain()
-                    if writer.transport.is_closing():
-                        raise ConnectionResetError("the client left")
+                    await _send(writer, chunk(data) if framing == "chunked" else data)
                 if body.done:
                     break
                 if not await up.fill():
                     if body.kind == "close":
                         break
                     raise Closed("the server closed the connection mid-response")
-        except ConnectionResetError:
+        except ClientGone:
             conn.close()
             self.gate.counters.client_gone += 1
             return False
         except UPSTREAM_ERRORS as exc:
             conn.close()
             self.gate.refused(address)
-            return self._cut(request, writer, framing, sse is not None, exc)
+            reason: BaseException = exc
+            if followed is not None and self.resume is not None and framing == "chunked":
+                try:
+                    await self.resume.resume(followed, self.pool, writer)
+                    return request.keep_alive
+                except CannotResume as why:
+                    reason = why
+                except ClientGone:
+                    self.gate.counters.client_gone += 1
+                    return False
+            return self._cut(request, writer, framing, sse is not None, reason)
         if framing == "chunked":
             writer.write(LAST_CHUNK)
         if body.kind in ("length", "chunked", "none") and b"close" not in head.tokens(

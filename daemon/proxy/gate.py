@@ -18,11 +18,12 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 PROBE_S = 0.1
+PROBE_TIMEOUT_S = 1.0
 DEFAULT_RETRY_AFTER_S = 5
 HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 MODES = ("open", "hold", "reject")
@@ -92,19 +93,22 @@ class Waiter:
 
 
 class Gate:
-    def __init__(self, limits: Limits, connect: Callable[[tuple[str, int]], Any]) -> None:
+    def __init__(
+        self, limits: Limits, healthy: Callable[[tuple[str, int]], Awaitable[bool]] | None
+    ) -> None:
         self.limits = limits
         self.mode = "hold"
         self.state = "unknown"
         self.reason = "the daemon has not said how the server is"
         self.upstream: tuple[str, int] | None = None
+        self.model: str | None = None  # what the server serves (a stream goes on only there)
         self.retry_after_s: int | None = None
         self.epoch = 0  # a new server (or a new word on it): pooled connections are stale
         self.down = False  # the server refused while open: held until the daemon's next word
         self.waiters: deque[Waiter] = deque()
         self.held_bytes = 0
         self.counters = Counters()
-        self._connect = connect
+        self._healthy = healthy or _health
         self._probe: asyncio.Task[None] | None = None
 
     # -- the daemon's word -----------------------------------------------------------------
@@ -120,6 +124,7 @@ class Gate:
                 self.epoch += 1
             self.upstream = (host, port)
         self.mode = mode
+        self.model = str(word["model"]) if word.get("model") else self.model
         self.state = str(word.get("state") or mode)
         self.reason = str(word.get("reason") or "")
         retry = word.get("retry_after_s")
@@ -136,12 +141,15 @@ class Gate:
             self._probe = asyncio.get_running_loop().create_task(self._probe_until_up())
 
     async def _probe_until_up(self) -> None:
+        """While the daemon has not said otherwise: the server is asked for its health until
+        it answers 200 (a server that listens may still be loading)."""
         while self.down and self.mode == "open" and self.upstream is not None:
             await asyncio.sleep(PROBE_S)
-            with contextlib.suppress(OSError):
-                writer = await self._connect(self.upstream)
-                writer.close()
-                if self.down:
+            with contextlib.suppress(OSError, TimeoutError):
+                if (
+                    await asyncio.wait_for(self._healthy(self.upstream), PROBE_TIMEOUT_S)
+                    and self.down
+                ):
                     self.down = False
                     self._wake()
 
@@ -216,3 +224,13 @@ class Gate:
             "oldest_held_s": round(now - oldest, 3) if oldest is not None else None,
             **self.counters.view(),
         }
+
+
+async def _health(address: tuple[str, int]) -> bool:
+    """GET /health of the server at `address` answers 200."""
+    reader, writer = await asyncio.open_connection(*address)
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nhost: gpuwarden\r\nconnection: close\r\n\r\n")
+        return (await reader.readline()).split(b" ")[1:2] == [b"200"]
+    finally:
+        writer.close()
