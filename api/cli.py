@@ -54,6 +54,24 @@ def _shim(args: argparse.Namespace) -> int:
     os.execve(argv[0], argv, {**os.environ, **shimstart.environment()})
 
 
+def _proxy(args: argparse.Namespace) -> int:
+    """Become the front proxy of the settings (`gpuwarden-proxy.service` runs this), in this
+    process, so its pid is the unit's; the daemon connects to it."""
+    from gpuwarden.daemon import frontproxy  # noqa: PLC0415
+    from gpuwarden.daemon.settings import SettingsError, load_settings  # noqa: PLC0415
+
+    try:
+        settings = load_settings(getattr(args, "settings", None))
+    except SettingsError as exc:
+        print(f"gpuwarden: {exc}", file=sys.stderr)
+        return 1
+    if settings.proxy is None:
+        print("gpuwarden: the settings have no proxy: section; no proxy runs", file=sys.stderr)
+        return 0
+    argv = frontproxy.command(settings.proxy, frontproxy.socket_path(settings.state_dir))
+    os.execv(argv[0], argv)
+
+
 def add_serve_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the daemon in the foreground")
     # SUPPRESS: `gpuwarden --settings FILE serve` keeps the main parser's value.
@@ -68,6 +86,13 @@ def add_serve_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument("--settings", type=Path, default=argparse.SUPPRESS, help="settings YAML")
     p.set_defaults(func=_shim)
+
+    p = sub.add_parser(
+        "proxy",
+        help="run the front proxy of the settings in the foreground (gpuwarden-proxy.service)",
+    )
+    p.add_argument("--settings", type=Path, default=argparse.SUPPRESS, help="settings YAML")
+    p.set_defaults(func=_proxy)
 
     p = sub.add_parser("demo", help="run the daemon on the bundled SGLang stand-in")
     p.add_argument(

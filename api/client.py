@@ -89,6 +89,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 ),
             )
         )
+    if proxy := render.proxy_text(st.get("proxy")):
+        rows.append(("proxy", proxy))
     metrics = st.get("server_metrics") or {}
     if metrics:
         rows.append(("server", ", ".join(f"{k}={v}" for k, v in metrics.items() if k != "at")))

@@ -191,3 +191,32 @@ def startup_text(startup: dict[str, Any] | None) -> str | None:
         f"{safe(str(k))} {short(float(v))}" for k, v in phases.items() if isinstance(v, int | float)
     ]
     return short(float(startup["ready_s"])) + (f": {', '.join(parts)}" if parts else "")
+
+
+def proxy_text(proxy: Any) -> str | None:
+    """The front proxy in a line: its address, what it does now, held requests, counts."""
+    if not isinstance(proxy, dict):
+        return None
+    mode = {"open": "passing", "hold": "holding", "reject": "rejecting"}.get(
+        str(proxy.get("mode")), str(proxy.get("mode"))
+    )
+    parts = [
+        f"{proxy.get('listen')} {mode}" + ("" if proxy.get("connected") else " (not connected)")
+    ]
+    if proxy.get("held"):
+        oldest = proxy.get("oldest_held_s")
+        parts.append(f"{proxy['held']} held" + (f", oldest {short(oldest)}" if oldest else ""))
+    counts = [
+        f"{proxy.get(key)} {label}"
+        for key, label in (
+            ("released", "released"),
+            ("rejected", "rejected"),
+            ("retried", "retried"),
+            ("continued", "continued"),
+            ("cut", "cut"),
+        )
+        if proxy.get(key)
+    ]
+    if counts:
+        parts.append(", ".join(counts))
+    return safe(" · ".join(parts))

@@ -180,6 +180,7 @@ def _build_dump(
         "config_diff": diff,
         "unmanaged": st.get("unmanaged") or [],
         "weight_cache": sup.host.sidecar.view(),
+        "proxy": st.get("proxy"),
     }
     text = render_text(data)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
@@ -227,6 +228,15 @@ def render_text(d: dict[str, Any], tail_lines: int = TAIL_LINES, max_line: int =
             f"weight cache sidecar: pid {wc.get('pid')} ({wc.get('state')}; fingerprint "
             f"{wc.get('fingerprint')}, started for {wc.get('config')}; log {wc.get('log_file')})"
         )
+    proxy = d.get("proxy")
+    if proxy:  # the clients: what was held, and under way, when this was written
+        lines.append(
+            f"proxy: {proxy.get('listen')} {proxy.get('mode')}; {proxy.get('held') or 0} held, "
+            f"{proxy.get('in_flight') or 0} in flight; {proxy.get('cut') or 0} streams cut, "
+            f"{proxy.get('continued') or 0} continued, {proxy.get('retried') or 0} retried"
+        )
+        for h in proxy.get("held_requests") or []:
+            lines.append(f"  held: {h.get('what')} ({h.get('held_s')} s, {h.get('bytes')} bytes)")
     for u in d.get("unmanaged") or []:  # found at the boot, not verifiably ours: left alone
         lines.append(f"unmanaged: pid {u.get('pid')} ({u.get('name') or '?'}): {u.get('why')}")
     if d["config_diff"]:

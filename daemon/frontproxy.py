@@ -64,6 +64,18 @@ def gate_word(snap: Snapshot, now_mono: float) -> dict[str, Any]:
     return {**word, "mode": "reject", "reason": reason}
 
 
+def socket_path(state_dir: Path) -> Path:
+    return state_dir / "proxy" / "proxy.sock"
+
+
+def command(settings: ProxySettings, socket: Path) -> list[str]:
+    """The proxy's command line (the daemon's child, or `gpuwarden proxy` in its own unit)."""
+    argv = [sys.executable, "-m", "gpuwarden.daemon.proxy", "--listen", settings.listen]
+    argv += ["--control", str(socket), "--hold-timeout-s", str(settings.hold_timeout_s)]
+    argv += ["--max-held", str(settings.max_held), "--max-held-bytes", str(settings.max_held_bytes)]
+    return argv + (["--continue-streams"] if settings.continue_streams else [])
+
+
 class FrontProxy:
     def __init__(
         self,
@@ -75,7 +87,7 @@ class FrontProxy:
         post: Callable[[Message], None],
     ) -> None:
         self.settings = settings
-        self.socket = state_dir / "proxy" / "proxy.sock"
+        self.socket = socket_path(state_dir)
         self.log_path = log_dir / "proxy.log"
         self.tasks, self.post = tasks, post
         self.external = os.environ.get(EXTERNAL_ENV)
@@ -140,13 +152,6 @@ class FrontProxy:
                     raise
                 await asyncio.sleep(0.1)
 
-    def command(self) -> list[str]:
-        s = self.settings
-        argv = [sys.executable, "-m", "gpuwarden.daemon.proxy", "--listen", s.listen]
-        argv += ["--control", str(self.socket), "--hold-timeout-s", str(s.hold_timeout_s)]
-        argv += ["--max-held", str(s.max_held), "--max-held-bytes", str(s.max_held_bytes)]
-        return argv + (["--continue-streams"] if s.continue_streams else [])
-
     async def _spawn(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if self.external:
             raise OSError(
@@ -156,7 +161,7 @@ class FrontProxy:
         log = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self.command(),
+                *command(self.settings, self.socket),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,

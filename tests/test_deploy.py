@@ -25,6 +25,7 @@ from .support.procs import Proc, require_tool
 ROOT = Path(__file__).resolve().parents[1]
 UNIT = ROOT / "systemd" / "gpuwarden.service"
 SHIM_UNIT = ROOT / "systemd" / "gpuwarden-shim.service"
+PROXY_UNIT = ROOT / "systemd" / "gpuwarden-proxy.service"
 
 
 def _systemd_section_commands() -> list[list[str]]:
@@ -70,7 +71,7 @@ def test_the_example_settings_and_config_load() -> None:
     assert cfg.argv[:3] == ["python3", "-m", "sglang.launch_server"]
 
 
-@pytest.mark.parametrize("unit_file", [UNIT, SHIM_UNIT], ids=lambda p: p.name)
+@pytest.mark.parametrize("unit_file", [UNIT, SHIM_UNIT, PROXY_UNIT], ids=lambda p: p.name)
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path, unit_file: Path) -> None:
     analyze = require_tool("systemd-analyze")
     exe = Path(sys.executable).with_name("gpuwarden")
@@ -122,6 +123,28 @@ def test_the_shim_has_a_unit_of_its_own_so_servers_outlive_the_daemons() -> None
         assert d in shim and d in daemon
 
 
+def test_the_proxy_has_a_unit_of_its_own_so_clients_outlive_the_daemon(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The front proxy under systemd: its own unit (a daemon's restart, KillMode=mixed, leaves
+    it), which the daemon connects to and never starts; both find its socket in the same
+    state directory."""
+    daemon, proxy = UNIT.read_text(), PROXY_UNIT.read_text()
+    assert "gpuwarden-proxy.service" in daemon.split("Wants=", 1)[1].split("\n", 1)[0]
+    assert "Environment=GPUWARDEN_PROXY_UNIT=gpuwarden-proxy.service" in daemon
+    assert "PartOf=" not in proxy and "BindsTo=" not in proxy
+    assert "ExecStart=/opt/gpuwarden/.venv/bin/gpuwarden proxy --settings " in proxy
+    folders = []
+    for unit in (UNIT, PROXY_UNIT):
+        with monkeypatch.context() as env:
+            for line in unit.read_text().splitlines():
+                if line.startswith("Environment=GPUWARDEN_"):
+                    key, value = line.removeprefix("Environment=").split("=", 1)
+                    env.setenv(key, value)
+            folders.append(load_settings(ROOT / "systemd" / "settings.yaml").state_dir)
+    assert folders[0] == folders[1] == Path("/var/lib/gpuwarden")
+
+
 def test_both_units_find_the_same_shim(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shim's unit and the daemon's resolve the same state directory from the installed
     settings (the socket is <state_dir>/shim/shim.sock), under their own environments."""
@@ -136,7 +159,7 @@ def test_both_units_find_the_same_shim(monkeypatch: pytest.MonkeyPatch) -> None:
     assert folders[0] == folders[1] == Path("/var/lib/gpuwarden")
 
 
-@pytest.mark.parametrize("unit_file", [UNIT, SHIM_UNIT], ids=lambda p: p.name)
+@pytest.mark.parametrize("unit_file", [UNIT, SHIM_UNIT, PROXY_UNIT], ids=lambda p: p.name)
 def test_unit_exposure_is_low(unit_file: Path) -> None:
     analyze = require_tool("systemd-analyze")
     res = subprocess.run(

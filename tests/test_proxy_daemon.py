@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 from collections import Counter
 from pathlib import Path
@@ -17,7 +18,7 @@ import httpx
 import pytest
 
 from .support.configs import standin_config, two_configs
-from .support.daemon import Daemon, serve, start_daemon
+from .support.daemon import Daemon, gpuwarden, serve, start_daemon
 from .support.procs import Proc, free_port, wait_until
 from .support.shim import shims_ended
 
@@ -198,6 +199,12 @@ def test_a_stop_and_a_failure_are_answered_at_once(
     d.wait_state("ready")
     with httpx.Client(timeout=10) as c:  # (a held request would time out: hold_timeout_s 120)
         assert c.get(url + "/health").status_code == 200
+        wait_until(lambda: d.status()["proxy"]["requests"] == 1, 10, "the proxy's figures")
+        shown = gpuwarden(procs, "--url", d.url, "status", fake_gpu=fake_gpu)
+        assert shown.popen.wait(30) == 0
+        assert re.search(r"proxy +" + re.escape(proxy["listen"]) + " passing", shown.text())
+        dump = d.http.get("/dump").text
+        assert f"proxy: {proxy['listen']} open; 0 held, 0 in flight" in dump
         d.http.post("/stop")
         d.wait_state("stopped")
         wait_until(lambda: d.status()["proxy"]["mode"] == "reject", 10, "the proxy rejects")

@@ -223,6 +223,7 @@ function renderStatus(st) {
     facts.push(["weight cache", `pid ${wc.pid} · ${wc.state} · ${wc.fingerprint} (for ${wc.config})` +
       (wc.ready_s != null ? ` · loaded in ${secs(wc.ready_s)}` : "")]);
   }
+  if (st.proxy) facts.push(["proxy", proxyText(st.proxy)]);
   if (st.booting) facts.push(["daemon", "booting: restoring its previous life"]);
   if (!st.supervising) facts.push(["supervision", "STUCK (see /healthz)"]);
   const dl = $("server-facts");
@@ -266,6 +267,16 @@ const PHASE_LABELS = {
 function secs(s) { return s < 60 ? `${Math.max(0, s).toFixed(1)}s` : duration(s); }
 
 // A swap's read of the next config's weights: `pre-warm 1.2 GiB/3.4 GiB read · 512 MiB cached`.
+function proxyText(p) {
+  const mode = { open: "passing", hold: "holding", reject: "rejecting" }[p.mode] || p.mode;
+  const parts = [`${p.listen} ${mode}` + (p.connected ? "" : " (not connected)")];
+  if (p.held) parts.push(`${p.held} held` + (p.oldest_held_s ? `, oldest ${secs(p.oldest_held_s)}` : ""));
+  const counts = ["released", "rejected", "retried", "continued", "cut"]
+    .filter((k) => p[k]).map((k) => `${p[k]} ${k}`);
+  if (counts.length) parts.push(counts.join(", "));
+  return parts.join(" · ");
+}
+
 function prewarmText(p) {
   const size = (n) => (n >= 1024 ** 3 ? `${(n / 1024 ** 3).toFixed(1)} GiB` : `${Math.round(n / 1024 ** 2)} MiB`);
   let text = `pre-warm ${size(p.read_bytes)}/${size(p.total_bytes - p.cached_bytes)} read`;

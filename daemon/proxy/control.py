@@ -49,6 +49,7 @@ class Proxy:
         return {
             **self.gate.view(),
             "active": self.front.active,
+            "in_flight": self.front.active - len(self.gate.waiters),  # sent on, not answered
             "connections": len(self.front.clients),
             "pid": os.getpid(),
             "listen": self.listen,

@@ -197,7 +197,7 @@ class Front:
             held = held or (not gate.usable and gate.mode != "reject")
             gone = None if gate.usable else asyncio.ensure_future(_until_eof(inb))
             try:
-                address = await gate.admit(arrived, len(request.body), gone)
+                address = await gate.admit(arrived, len(request.body), gone, request.what)
             except Rejected as exc:
                 return self._reject(writer, request, exc, arrived, held)
             except Gone:

@@ -27,6 +27,7 @@ PROBE_TIMEOUT_S = 1.0
 DEFAULT_RETRY_AFTER_S = 5
 HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 MODES = ("open", "hold", "reject")
+HELD_LISTED = 10
 
 
 class Rejected(Exception):
@@ -90,6 +91,7 @@ class Waiter:
     arrived: float
     size: int
     woken: asyncio.Future[None]
+    what: str = ""  # its method and path
 
 
 class Gate:
@@ -173,7 +175,7 @@ class Gate:
         return Rejected(state, why, retry)
 
     async def admit(
-        self, arrived: float, size: int, gone: asyncio.Future[Any] | None
+        self, arrived: float, size: int, gone: asyncio.Future[Any] | None, what: str = ""
     ) -> tuple[str, int]:
         """The server's address once the request may go (it waits while the gate holds).
         Raises Rejected (503) or Gone (the client left)."""
@@ -191,7 +193,7 @@ class Gate:
                 raise self.answer(
                     arrived, f"held {self.limits.hold_timeout_s:g} s (hold_timeout_s)"
                 )
-            waiter = Waiter(arrived, size, asyncio.get_running_loop().create_future())
+            waiter = Waiter(arrived, size, asyncio.get_running_loop().create_future(), what)
             self.waiters.append(waiter)
             self.held_bytes += size
             waits: set[asyncio.Future[Any]] = {waiter.woken}
@@ -222,6 +224,10 @@ class Gate:
             "held": len(self.waiters),
             "held_bytes": self.held_bytes,
             "oldest_held_s": round(now - oldest, 3) if oldest is not None else None,
+            "held_requests": [  # the first few, oldest first
+                {"what": w.what, "held_s": round(now - w.arrived, 3), "bytes": w.size}
+                for w in list(self.waiters)[:HELD_LISTED]
+            ],
             **self.counters.view(),
         }
 

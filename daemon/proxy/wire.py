@@ -120,6 +120,11 @@ class Request:
     body: bytes = b""
 
     @property
+    def what(self) -> str:
+        """Its method and path, as a person reads them (cut short)."""
+        return (self.method + b" " + self.target[:200]).decode(errors="replace")
+
+    @property
     def keep_alive(self) -> bool:
         conn = self.head.tokens(b"connection")
         if self.version == b"HTTP/1.0":
