@@ -67,6 +67,7 @@ bench: setup $(PEERS)/.installed
 	$(BIN)/python bench/adopt.py
 	$(BIN)/python bench/restart.py --repeat 1 --live-restore
 	$(BIN)/python bench/weightcache.py
+	$(BIN)/python bench/proxy.py
 
 # The restart rows alone (crash -> next start, exit -> state change), N runs of interleaved
 # rounds, each run with fresh tools: `make bench-repeat N=5`. Prints each run's medians,

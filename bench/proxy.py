@@ -27,6 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.core import PY, Daemon, free_port, measured_on, pct, ts, write_results
+from gpuwarden.standin import fakegpu
 from tests.support.configs import standin_config
 
 CANDIDATE = """
@@ -122,7 +123,7 @@ def steady(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, Any]]:
                 "--standin-time-scale",
                 "0.01",
             ],
-            GPUWARDEN_FAKE_GPU_DIR=str(tmp / "gpus"),
+            **{fakegpu.ENV_DIR: str(fakegpu.init_dir(tmp / "gpus", count=1))},
         ),
         start(
             [
@@ -230,13 +231,12 @@ async def _held(port: int, n: int) -> list[float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "gpus").mkdir()
         figures = steady(args, Path(tmp))
         delays = release(args, Path(tmp))
     direct = figures["direct"]
