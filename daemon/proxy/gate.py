@@ -60,6 +60,7 @@ class Counters:
     client_gone: int = 0
     hold_buckets: list[int] = field(default_factory=lambda: [0] * (len(HOLD_BUCKETS) + 1))
     hold_sum_s: float = 0.0
+    last_resume: dict[str, Any] | None = None  # where the last continued stream went on
 
     def held_for(self, seconds: float) -> None:
         self.hold_sum_s += seconds
@@ -78,6 +79,7 @@ class Counters:
             "continued": self.continued,
             "cut": self.cut,
             "client_gone": self.client_gone,
+            "last_resume": self.last_resume,
             "hold_seconds": {
                 "buckets": list(HOLD_BUCKETS),
                 "counts": list(self.hold_buckets),

@@ -138,6 +138,11 @@ class Resumer:
                 writer.write(chunk(b"data: [DONE]\n\n") + LAST_CHUNK)
                 return
             self.gate.counters.continued += 1
+            self.gate.counters.last_resume = {
+                "from_token": len(base[0]),  # generated again from here (0-based)
+                "client_had": len(followed.ids),
+                "at": time.time(),
+            }
             try:
                 await self._splice(followed, pool, address, (body, base), writer)
                 return
