@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -217,3 +218,25 @@ def test_a_stop_and_a_failure_are_answered_at_once(
     with httpx.Client(timeout=10) as c:
         res = c.post(url + "/generate", json={"text": "x"})
         assert res.status_code == 503 and res.json()["error"]["state"] == "failed"
+
+
+@pytest.mark.timeout(60)
+def test_a_proxy_that_cannot_listen_is_said_and_the_server_still_runs(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        listen = f"127.0.0.1:{taken.getsockname()[1]}"
+        d = start_daemon(
+            procs,
+            tmp_path,
+            fake_gpu,
+            {"k": standin_config()},
+            default="k",
+            proxy={"listen": listen},
+        )
+        failed = d.wait_event("server.proxy_failed")
+        assert failed["listen"] == listen and "cannot listen" in failed["error"]
+        d.wait_state("ready")
+        assert d.status()["proxy"]["connected"] is False

@@ -21,7 +21,7 @@ import pytest
 from .support.configs import standin_config, two_configs
 from .support.daemon import Daemon, start_daemon, until
 from .support.gpu import start_holder
-from .support.procs import Proc, require_tool
+from .support.procs import Proc, free_port, require_tool
 
 ARTIFACTS = Path(__file__).with_name("artifacts")
 TOKEN = "ui-s3cret"
@@ -339,3 +339,18 @@ def test_the_shell_and_assets_need_no_token_but_data_does(
         headers={"Authorization": f"Bearer {TOKEN}", "Origin": "http://evil.example"},
     )
     assert res.status_code == 403
+
+
+def test_the_front_proxy_shows_what_it_does_with_requests(
+    procs: list[Proc], tmp_path: Path, fake_gpu: Path, page_for: Any
+) -> None:
+    listen = f"127.0.0.1:{free_port()}"
+    d = start_daemon(
+        procs, tmp_path, fake_gpu, two_configs(), default="good", proxy={"listen": listen}
+    )
+    d.wait_state("ready")
+    page = page_for(d)
+    facts = page.locator("#server-facts")
+    expect(facts).to_contain_text(f"{listen} passing", timeout=UPDATE_MS)
+    d.http.post("/stop")
+    expect(facts).to_contain_text(f"{listen} rejecting", timeout=UPDATE_MS)
