@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Strict editable installs expose only the files present at install time: refresh them (fast).
-$(VENV)/.refreshed: $(STAMP) $(wildcard daemon/*.py daemon/server/*.py api/*.py api/ui/* standin/*.py standin/data/*.json)
+$(VENV)/.refreshed: $(STAMP) $(wildcard daemon/*.py daemon/server/*.py daemon/proxy/*.py api/*.py api/ui/* standin/*.py standin/data/*.json)
 	$(BIN)/python -m pip install -q --no-deps -e . --config-settings editable_mode=strict
 	touch $@
 

@@ -3,8 +3,9 @@
 `EngineClient` sends requests to rank 0's batch loop over its pipe and reads the loop's
 answers on a thread, handing each request's new tokens to its queue on the event loop;
 `ServerState` is what the routes and the signal handlers share (Starting, Up or UnHealthy,
-draining, the last heartbeat and the loop's stats). `token_text` makes filler text for a
-number of tokens.
+draining, the last heartbeat and the loop's stats). The tokenizer and the greedy decode are a
+toy's (`tokenize`, `next_ids`): each token follows from the context's last one, so a decode
+resumed from its prompt and its first k tokens goes on exactly.
 """
 
 from __future__ import annotations
@@ -105,11 +106,6 @@ def next_ids(context_last: int | None, start: int, count: int, pieces: bool = Fa
     size = vocab_size(pieces)
     first = 0 if context_last is None else (context_last + 1) % size
     return [(first + i) % size for i in range(start, start + count)]
-
-
-def token_text(start: int, count: int, pieces: bool = False) -> str:
-    """Filler text for tokens start..start+count after a prompt of unknown words."""
-    return "".join(piece_of(i, pieces) for i in next_ids(None, start, count, pieces))
 
 
 def tokenize(text: str, pieces: bool = False) -> list[int]:

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .drain import on_first_request
-from .engine import detokenize, next_ids, piece_of, token_text, tokenize
+from .engine import detokenize, next_ids, piece_of, tokenize
 
 if TYPE_CHECKING:
     from .server import StandinServer
@@ -135,19 +135,31 @@ def generate_routes(server: StandinServer) -> list[Route]:
             len(str(m.get("content", "")).split()) + 4 for m in messages if isinstance(m, dict)
         )
         max_new = int(body.get("max_completion_tokens") or body.get("max_tokens") or 128)
-        return await openai_response(body, prompt_tokens, max_new, chat=True)
+        ids = chat_ids(messages)
+        last = ids[-1] if ids else None
+        return await openai_response(body, prompt_tokens, max_new, chat=True, last=last)
 
     async def completions(request: Request) -> Response:
         body = await read_json(request)
         if isinstance(body, Response):
             return body
         on_first_request(server)
-        prompt_tokens = max(1, len(str(body.get("prompt", "")).split()))
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
+            ids = list(prompt)
+        else:
+            ids = tokenize(str(prompt), pieces)
         max_new = int(body.get("max_tokens") or 16)
-        return await openai_response(body, prompt_tokens, max_new, chat=False)
+        last = ids[-1] if ids else None
+        return await openai_response(body, max(1, len(ids)), max_new, chat=False, last=last)
+
+    def chat_ids(messages: list[Any]) -> list[int]:
+        """A chat's prompt as the stand-in's template renders it: its contents' words."""
+        words = " ".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+        return tokenize(words, pieces)
 
     async def openai_response(
-        body: dict[str, Any], prompt_tokens: int, max_new: int, chat: bool
+        body: dict[str, Any], prompt_tokens: int, max_new: int, chat: bool, last: int | None
     ) -> Response:
         assert server.engine is not None
         cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -171,7 +183,7 @@ def generate_routes(server: StandinServer) -> list[Route]:
                 done = 0
                 first = True
                 async for n in server.engine.generate(prompt_tokens, max_new):  # type: ignore[union-attr]
-                    piece = token_text(done, n, pieces)
+                    piece = "".join(piece_of(i, pieces) for i in next_ids(last, done, n, pieces))
                     done += n
                     finish = reason if done >= max_new else None
                     if chat:
@@ -204,7 +216,7 @@ def generate_routes(server: StandinServer) -> list[Route]:
         done = 0
         text = ""
         async for n in server.engine.generate(prompt_tokens, max_new):
-            text += token_text(done, n, pieces)
+            text += "".join(piece_of(i, pieces) for i in next_ids(last, done, n, pieces))
             done += n
         choice = (
             {"index": 0, "message": {"role": "assistant", "content": text}}
@@ -229,6 +241,9 @@ def generate_routes(server: StandinServer) -> list[Route]:
         if isinstance(body, Response):
             return body
         prompt = body.get("prompt")
+        if isinstance(body.get("messages"), list):  # rendered as for a chat completion
+            rendered = chat_ids(body["messages"])
+            return JSONResponse({"tokens": rendered, "count": len(rendered), "max_model_len": 4096})
         if isinstance(prompt, list):
             tokens: Any = [tokenize(str(p), pieces) for p in prompt]
             count: Any = [len(t) for t in tokens]

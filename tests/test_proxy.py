@@ -334,3 +334,62 @@ def test_a_cut_stream_of_another_model_ends_with_an_error_event(
             rest[-1] == "[DONE]" and "serves b, not a" in json.loads(rest[-2])["error"]["message"]
         )
         assert control.stats(lambda f: f["cut"] == 1)["continued"] == 0
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_a_cut_openai_stream_continues_from_its_re_tokenized_text(
+    procs: list[Proc], tmp_path: Path, standin: Callable[..., Proc], route: str
+) -> None:
+    server = ready(standin("--standin-token-text", "pieces"))
+    port = server.port  # type: ignore[attr-defined]
+    body: dict[str, Any] = {"model": "m", "max_tokens": 150, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    if route.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "tune decoding"}]
+    else:
+        body["prompt"] = "tune decoding"
+
+    def chunks(c: httpx.Client, url: str, on_fifth: Any = None) -> list[dict[str, Any]]:
+        out, done = [], False
+        with c.stream("POST", url + route, json=body) as s:
+            for line in s.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    out.append(json.loads(line[6:]))
+                    if on_fifth is not None and len(out) == 5:
+                        on_fifth()
+        assert done
+        return out
+
+    def content(cs: list[dict[str, Any]]) -> str:
+        pieces = [
+            (ch.get("delta") or {}).get("content") or ch.get("text") or ""
+            for c in cs
+            for ch in c["choices"]
+        ]
+        return "".join(pieces)
+
+    with running_proxy(procs, tmp_path, "--continue-streams") as (url, control, _):
+        control.gate("open", port, state="ready", model="m")
+        with httpx.Client(timeout=30) as c:
+            whole = chunks(c, f"http://127.0.0.1:{port}")
+
+            def crash_and_replace() -> None:
+                server.popen.send_signal(signal.SIGKILL)
+                server.popen.wait()
+                args = ("--standin-token-text", "pieces")
+                threading.Thread(target=lambda: ready(standin(*args, port=port))).start()
+
+            spliced = chunks(c, url, on_fifth=crash_and_replace)
+        errors = [c["error"] for c in spliced if "error" in c]
+        assert not errors
+        figures = control.stats(lambda s: s["continued"] == 1)
+    assert figures["cut"] == 0
+    assert content(spliced) == content(whole)  # byte-identical
+    assert {c["id"] for c in spliced} == {spliced[0]["id"]}  # one stream
+    assert (
+        spliced[-1]["usage"]["completion_tokens"] == whole[-1]["usage"]["completion_tokens"] == 150
+    )
+    finishes = [ch["finish_reason"] for c in spliced for ch in c["choices"] if ch["finish_reason"]]
+    assert finishes == ["length"]

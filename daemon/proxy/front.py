@@ -18,8 +18,10 @@ import json
 import time
 from typing import Any
 
+from .followed import Followed
 from .gate import Gate, Gone, Rejected
-from .resume import CannotResume, Followed, Resumer, follow
+from .openai import FollowedOpenAI
+from .resume import CannotResume, Resumer, follow
 from .wire import (
     HOP,
     LAST_CHUNK,
@@ -249,7 +251,7 @@ class Front:
         request: Request,
         conn: Upstream,
         *,
-        followed: Followed | None,
+        followed: Followed | FollowedOpenAI | None,
         head: Any,
         status: int,
         writer: asyncio.StreamWriter,

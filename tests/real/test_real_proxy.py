@@ -100,3 +100,42 @@ def test_a_crash_restart_of_sglang_through_the_proxy_continues_the_cut_stream_ex
         t.join(STARTUP_S)
     assert answers == [200] * 32
     wait_until(lambda: d.status()["proxy"]["released"] >= 32, 10, "the proxy's figures")
+
+    # An OpenAI chat stream cut the same way goes on (its text re-tokenized) or ends with an
+    # error event; it never hangs. (The tiny model's random bytes rarely re-tokenize back.)
+    before = d.status()["proxy"]
+    pid = d.status()["pid"]
+    chat = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "Hello, how are you today?"}],
+        "max_tokens": 300,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    data: list[str] = []
+    with (
+        httpx.Client(timeout=STARTUP_S, trust_env=False) as http,
+        http.stream("POST", proxy + "/v1/chat/completions", json=chat) as s,
+    ):
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                data.append(line[6:])
+                if len(data) == 10:
+                    os.kill(pid, signal.SIGKILL)
+    assert data[-1] == "[DONE]"
+    ended = before["cut"] + before["continued"] + 1
+    wait_until(
+        lambda: d.status()["proxy"]["cut"] + d.status()["proxy"]["continued"] == ended,
+        10,
+        "the proxy's figures",
+    )
+    after = d.status()["proxy"]
+    print(
+        f"the cut chat stream: {'continued' if after['continued'] > before['continued'] else 'ended with an error event'}"
+    )
+    if '"error"' in data[-2]:
+        assert after["cut"] == before["cut"] + 1
+    else:
+        assert after["continued"] == before["continued"] + 1
+        assert json.loads(data[-2])["choices"][0]["finish_reason"] == "length"
