@@ -18,6 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from gpuwarden.standin.engine import piece_of
+
 from .support.configs import standin_config, two_configs
 from .support.daemon import Daemon, gpuwarden, serve, start_daemon
 from .support.procs import Proc, free_port, wait_until
@@ -30,6 +32,11 @@ SWAPS = 20
 
 def proxied(**over: Any) -> dict[str, Any]:
     return {"listen": f"127.0.0.1:{free_port()}", "hold_timeout_s": 120, **over}
+
+
+def expected(tokens: int) -> str:
+    """The stand-in's greedy answer to "hi" (an unknown word): its vocabulary in order."""
+    return "".join(piece_of(i) for i in range(tokens))
 
 
 class Clients:
@@ -57,7 +64,7 @@ class Clients:
     async def plain(self, c: httpx.AsyncClient) -> None:
         body = {"text": "hi", "sampling_params": {"max_new_tokens": 8}}
         res = await c.post(self.url + "/generate", json=body)
-        if res.status_code != 200 or res.json()["meta_info"]["completion_tokens"] != 8:
+        if res.status_code != 200 or res.json()["text"] != expected(8):
             self.problems.append(f"plain: {res.status_code} {res.text[:200]}")
         self.outcomes["held" if "x-gpuwarden-held-s" in res.headers else "plain"] += 1
 
@@ -76,6 +83,10 @@ class Clients:
             assert json.loads(events[-2])["error"]["code"] == 503
             self.outcomes["cut"] += 1
         else:
+            chunks = [json.loads(e) for e in events[:-1]]
+            text = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
+            if text != expected(24) or len({c["id"] for c in chunks}) != 1:
+                self.problems.append(f"a stream not the uninterrupted one: {text!r}")
             self.outcomes["stream"] += 1
 
     async def run(self) -> None:
@@ -89,25 +100,35 @@ async def until_state(d: Daemon, state: str, after: int) -> None:
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    ("continue_streams", "crashes", "swaps"), [(False, CRASHES, SWAPS), (True, 6, 6)]
+)
 async def test_clients_see_latency_not_errors_through_crashes_swaps_and_a_rollback(
-    procs: list[Proc], tmp_path: Path, fake_gpu: Path
+    procs: list[Proc],
+    tmp_path: Path,
+    fake_gpu: Path,
+    continue_streams: bool,
+    crashes: int,
+    swaps: int,
 ) -> None:
+    """Every request that arrives while the server is down is answered 200; every stream
+    cut mid-way ends with an error event or (continue_streams) is the uninterrupted one."""
     configs = two_configs(oom=standin_config("--standin-crash-on-load=cuda_oom"))
-    proxy = proxied()
+    proxy = proxied(continue_streams=continue_streams)
     d = start_daemon(procs, tmp_path, fake_gpu, configs, default="good", proxy=proxy)
     d.wait_state("ready")
     clients = Clients("http://" + proxy["listen"])
     running = asyncio.create_task(clients.run())
     try:
-        for i in range(CRASHES):
+        for i in range(crashes):
             mark = d.mark()
             pid = (await asyncio.to_thread(d.status))["pid"]
             os.kill(pid, signal.SIGKILL)
             await until_state(d, "ready", mark)
             if i % 5 == 0:
                 await asyncio.sleep(0.3)  # (some requests and streams under way at the next)
-        configs_in_turn = ["other", "good"] * (SWAPS // 2)
-        configs_in_turn[SWAPS // 2] = "oom"  # rolled back to the one that served
+        configs_in_turn = ["other", "good"] * (swaps // 2)
+        configs_in_turn[swaps // 2] = "oom"  # rolled back to the one that served
         for name in configs_in_turn:
             res = await asyncio.to_thread(
                 d.http.post,
@@ -127,6 +148,8 @@ async def test_clients_see_latency_not_errors_through_crashes_swaps_and_a_rollba
     assert figures["connected"] and figures["held"] == 0 and figures["rejected"] == 0
     assert figures["released"] >= clients.outcomes["held"]
     assert figures["cut"] == clients.outcomes["cut"]
+    if continue_streams:  # (a crash cuts streams; a swap drains them)
+        assert figures["cut"] == 0 and figures["continued"] > 0, figures
     metrics = (await asyncio.to_thread(d.http.get, "/metrics")).text
     assert "gpuwarden_proxy_hold_seconds_bucket" in metrics
     assert f"gpuwarden_proxy_released_total {float(figures['released'])}" in metrics

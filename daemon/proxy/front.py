@@ -21,12 +21,13 @@ from typing import Any
 from .followed import Followed
 from .gate import Gate, Gone, Rejected
 from .openai import FollowedOpenAI
-from .resume import CannotResume, Resumer, follow
+from .resume import Resumer, follow
 from .wire import (
     HOP,
     LAST_CHUNK,
     MAX_HEAD,
     BadMessage,
+    ClientGone,
     Closed,
     Events,
     Inbound,
@@ -36,31 +37,15 @@ from .wire import (
     parse_request,
     read_body,
     response_body,
+    send,
     status_of,
 )
 
 IDLE_CLIENT_S = 120.0  # a client connection with no request for this long is closed
 POOL_IDLE_S = 4.0  # uvicorn closes an idle keep-alive after 5 s: a pooled one older is dropped
 POOL_MAX = 64  # idle connections kept per server
-WRITE_HIGH = 65536  # bytes waiting for a client before its answer waits for it
 HELD_HEADER = b"x-gpuwarden-held-s"
 UPSTREAM_ERRORS = (OSError, Closed, asyncio.IncompleteReadError, BadMessage)
-
-
-class ClientGone(Exception):
-    """The client closed its connection while its answer was being written."""
-
-
-async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
-    """Write to a client; wait only while its socket is full (it reads slowly)."""
-    writer.write(data)
-    if writer.transport.is_closing():
-        raise ClientGone()
-    if writer.transport.get_write_buffer_size() > WRITE_HIGH:
-        try:
-            await writer.drain()
-        except OSError:
-            raise ClientGone() from None
 
 
 async def _until_eof(inb: Inbound) -> None:
@@ -291,7 +276,7 @@ class Front:
                     if followed is not None and data:
                         followed.saw(data)
                 if data:
-                    await _send(writer, chunk(data) if framing == "chunked" else data)
+                    await send(writer, chunk(data) if framing == "chunked" else data)
                 if body.done:
                     break
                 if not await up.fill():
@@ -310,11 +295,11 @@ class Front:
                 try:
                     await self.resume.resume(followed, self.pool, writer)
                     return request.keep_alive
-                except CannotResume as why:
-                    reason = why
                 except ClientGone:
                     self.gate.counters.client_gone += 1
                     return False
+                except Exception as why:  # CannotResume, or a fault of the resume itself:
+                    reason = why  # the stream still ends well formed
             return self._cut(request, writer, framing, sse is not None, reason)
         if framing == "chunked":
             writer.write(LAST_CHUNK)

@@ -14,7 +14,19 @@ from typing import TYPE_CHECKING, Any
 
 from .followed import Followed, merged
 from .openai import OPENAI, FollowedOpenAI
-from .wire import LAST_CHUNK, Body, Events, Request, chunk, parse_head, split_events, status_of
+from .wire import (
+    LAST_CHUNK,
+    BadMessage,
+    Body,
+    Closed,
+    Events,
+    Request,
+    chunk,
+    parse_head,
+    send,
+    split_events,
+    status_of,
+)
 
 if TYPE_CHECKING:
     from .followed import Base
@@ -22,6 +34,8 @@ if TYPE_CHECKING:
     from .gate import Gate
 
 MAX_RESUMES = 3  # a stream continued this often and cut again ends with an error event
+MAX_ASKS = 20  # next servers that could not be asked for a continuation, at most
+UNREACHED = (OSError, Closed, BadMessage, asyncio.IncompleteReadError)
 
 
 class CannotResume(Exception):
@@ -57,9 +71,9 @@ class Resumer:
     ) -> None:
         """Continue `followed` on the next server, writing its events to `writer` (chunked).
         Raises CannotResume (the caller ends the stream with an error event)."""
+        asks = 0
         while True:
-            followed.resumes += 1
-            if followed.broken or followed.resumes > MAX_RESUMES:
+            if followed.broken or followed.resumes >= MAX_RESUMES:
                 raise CannotResume(followed.broken or f"cut {MAX_RESUMES} times")
             try:
                 address = await self.gate.admit(time.monotonic(), len(followed.text), None)
@@ -71,14 +85,18 @@ class Resumer:
                 )
             try:
                 body, base = await followed.continuation(functools.partial(_call, pool, address))
-            except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            except UNREACHED as exc:  # (its server died too, or is not up yet: the next one)
                 self.gate.refused(address)
-                if isinstance(exc, OSError):
-                    continue
-                raise CannotResume(f"the next server could not be asked: {exc}") from None
+                asks += 1
+                if asks >= MAX_ASKS:
+                    raise CannotResume(f"the next server could not be asked: {exc}") from None
+                continue
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                raise CannotResume(f"the next server's answer: {exc}") from None
             if body is None:  # nothing was left to generate
-                writer.write(_ending(followed))
+                await send(writer, _ending(followed))
                 return
+            followed.resumes += 1
             self.gate.counters.continued += 1
             self.gate.counters.last_resume = {
                 "from_token": len(base[0]),  # generated again from here (0-based)
@@ -88,7 +106,7 @@ class Resumer:
             try:
                 await self._splice(followed, pool, address, (body, base), writer)
                 return
-            except OSError:
+            except UNREACHED:
                 self.gate.refused(address)  # cut again: once more, from where it is now
 
     async def _splice(
@@ -123,14 +141,13 @@ class Resumer:
             while True:
                 for event in split_events(events.feed(framing.feed(conn.inb.buf))):
                     if event == b"[DONE]":
-                        writer.write(_ending(followed))
                         conn.close()
+                        await send(writer, _ending(followed))
                         return
                     state = merged(*state, json.loads(event))
                     out = followed.rewrite(base, state, json.loads(event))
                     if out is not None:
-                        writer.write(chunk(b"data: " + out + b"\n\n"))
-                        await writer.drain()
+                        await send(writer, chunk(b"data: " + out + b"\n\n"))
                 if framing.done or not await conn.inb.fill():
                     raise ConnectionResetError("the server closed the connection mid-stream")
         except (ValueError, TypeError, KeyError) as exc:

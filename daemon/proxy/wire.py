@@ -13,6 +13,7 @@ from dataclasses import dataclass
 READ_SIZE = 65536
 MAX_HEAD = 65536
 MAX_CHUNK_LINE = 4096
+WRITE_HIGH = 65536  # bytes waiting for a client before its answer waits for it
 # Hop-by-hop fields (RFC 9110 7.6.1) and the framing, which the proxy sets itself.
 HOP = frozenset(
     {
@@ -27,6 +28,22 @@ HOP = frozenset(
         b"expect",
     }
 )
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its answer was being written."""
+
+
+async def send(writer: asyncio.StreamWriter, data: bytes) -> None:
+    """Write to a client; wait only while its socket is full (it reads slowly)."""
+    writer.write(data)
+    if writer.transport.is_closing():
+        raise ClientGone()
+    if writer.transport.get_write_buffer_size() > WRITE_HIGH:
+        try:
+            await writer.drain()
+        except OSError:
+            raise ClientGone() from None
 
 
 class Closed(Exception):
