@@ -122,7 +122,14 @@ class FrontProxy:
             except OSError as exc:
                 self._event("proxy_failed", listen=self.settings.listen, error=str(exc))
                 return False
-        hello = json.loads(await asyncio.wait_for(reader.readline(), START_TIMEOUT_S))["hello"]
+        try:
+            hello = json.loads(await asyncio.wait_for(reader.readline(), START_TIMEOUT_S))["hello"]
+            int(hello["pid"])
+        except (OSError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            writer.close()  # (what answers at its socket is no proxy of this version)
+            error = f"{self.socket} did not answer as a proxy: {type(exc).__name__}: {exc}"
+            self._event("proxy_failed", listen=self.settings.listen, error=error)
+            return False
         if adopted and hello.get("listen") != self.settings.listen:  # the setting changed
             writer.write(b'{"exit": true}\n')
             with contextlib.suppress(OSError, TimeoutError):
@@ -189,12 +196,16 @@ class FrontProxy:
         try:
             while line := await reader.readline():
                 message = json.loads(line)
-                if "stats" in message:
+                if not isinstance(message, dict):
+                    raise ValueError(f"a line that is not an object: {line[:80]!r}")
+                if isinstance(message.get("stats"), dict):
                     self.figures = message["stats"]
                 elif "error" in message:
-                    self._event("proxy_error", error=str(message["error"]))
-        except (OSError, ValueError):
-            pass
+                    self._event("proxy_error", error=str(message["error"])[:500])
+        except (OSError, ValueError) as exc:
+            if not isinstance(exc, OSError):  # (its socket closing is said below)
+                self._event("proxy_error", error=f"its control line: {exc}"[:500])
+            writer.close()
         if self.writer is writer:
             self.writer = None
             self._ended.set()
@@ -219,10 +230,14 @@ class FrontProxy:
         if key == self._key:
             return
         self._key = key
-        snap = snapshot()
-        if snap.booting:
+        try:  # (on the owner's path: a fault here is said, never raised)
+            snap = snapshot()
+            if snap.booting:
+                return
+            word = gate_word(snap, now_mono)
+        except Exception as exc:
+            self._event("proxy_error", error=f"the gate's word: {type(exc).__name__}: {exc}")
             return
-        word = gate_word(snap, now_mono)
         if word != self.word:
             self.word = word
             self._send({"gate": word})

@@ -43,6 +43,10 @@ def on_task_failed(m: Machine, msg: ms.TaskFailed) -> None:
             pass
         case "weight_cache" | "stop_weight_cache":  # the sidecar's watch or stop, not the server's
             pass
+        case (
+            "proxy"
+        ):  # the front proxy's connection or start (said, sought again): not the server's
+            pass
         case "stop_previous":  # as stopped: the GPU wait kills what holds GPUs
             restoring.boot_go_on(m, "")
         case "boot_start":
