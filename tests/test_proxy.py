@@ -18,8 +18,11 @@ from typing import Any
 import httpx
 import pytest
 
+from gpuwarden.daemon.messages import TaskFailed
 from gpuwarden.daemon.proxy.gate import Gate, Limits, Rejected
+from gpuwarden.daemon.states import ServerState
 
+from .support.machine import FAST, World
 from .support.procs import Proc
 from .support.proxy import Control, running_proxy
 
@@ -393,3 +396,11 @@ def test_a_cut_openai_stream_continues_from_its_re_tokenized_text(
     )
     finishes = [ch["finish_reason"] for c in spliced for ch in c["choices"] if ch["finish_reason"]]
     assert finishes == ["length"]
+
+
+def test_a_failed_proxy_task_is_recorded_and_the_server_serves_on(tmp_path: Path) -> None:
+    w = World(tmp_path, **FAST)
+    w.up()
+    w.send(TaskFailed("proxy", w.launch.gen, "OSError: boom"))
+    assert w.m.state == ServerState.READY and w.host.called("terminate") == []
+    assert [e["task"] for e in w.host.events("internal_error")] == ["proxy"]
