@@ -265,7 +265,7 @@ class Front:
         if held:
             out.append(b"%s: %.3f\r\n" % (HELD_HEADER, time.monotonic() - arrived))
         out.append(b"connection: keep-alive\r\n\r\n" if keep else b"connection: close\r\n\r\n")
-        writer.write(b"".join(out))
+        head_out = b"".join(out)  # sent with the first body bytes (one write, not two)
         sse = Events() if events else None
         up = conn.inb
         try:
@@ -275,8 +275,10 @@ class Front:
                     data = sse.feed(data)
                     if followed is not None and data:
                         followed.saw(data)
-                if data:
-                    await send(writer, chunk(data) if framing == "chunked" else data)
+                if data or head_out:
+                    framed = chunk(data) if framing == "chunked" and data else data
+                    await send(writer, head_out + framed)
+                    head_out = b""
                 if body.done:
                     break
                 if not await up.fill():
