@@ -270,6 +270,7 @@ PROXY_COUNTERS = {
     "continued": "Streams cut by a dead server, continued on the next one",
     "cut": "Responses cut by a dead server (a stream ends with an error event)",
     "client_gone": "Clients that left before their answer",
+    "failed": "Requests answered 502 (the server's answer could not be passed on)",
 }
 
 

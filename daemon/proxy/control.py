@@ -17,7 +17,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
+import resource
 import signal
 import socket
 import sys
@@ -30,6 +32,8 @@ from .gate import Gate, Limits
 from .resume import Resumer
 
 STATS_S = 0.5
+BACKLOG = 512  # (asyncio logs each failed accept of a wake-up: out of descriptors, up to this)
+MAX_UNREAD = 1 << 20  # bytes of figures a daemon has not read, at most
 DRAIN_S = 10.0
 MAX_LINE = 1 << 20
 
@@ -39,7 +43,9 @@ class Proxy:
         self.limits = Limits(args.hold_timeout_s, args.max_held, args.max_held_bytes)
         self.gate = Gate(self.limits, None)
         self.resumer = Resumer(self.gate)
-        self.front = Front(self.gate, self.resumer if args.continue_streams else None)
+        self.front = Front(
+            self.gate, self.resumer if args.continue_streams else None, _max_clients()
+        )
         self.listen, self.control_path = args.listen, Path(args.control)
         self.daemon: asyncio.StreamWriter | None = None
         self.ending = asyncio.Event()
@@ -71,7 +77,14 @@ class Proxy:
                 try:
                     if self.said(json.loads(line)):
                         writer.write(_line({"stats": self.figures()}))
-                except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+                except (
+                    ValueError,
+                    TypeError,
+                    KeyError,
+                    IndexError,
+                    AttributeError,
+                    OverflowError,
+                ) as exc:
                     writer.write(_line({"error": f"{type(exc).__name__}: {exc}"}))
         except (OSError, ValueError):  # (ValueError: a line over the limit)
             return
@@ -85,11 +98,18 @@ class Proxy:
         if "gate" in message:
             self.gate.set(dict(message["gate"]))
         if "settings" in message:
-            for key, value in dict(message["settings"]).items():
-                if key in ("hold_timeout_s", "max_held", "max_held_bytes"):
-                    setattr(self.limits, key, type(getattr(self.limits, key))(value))
-                elif key == "continue_streams":
-                    self.front.resume = self.resumer if value else None
+            settings = dict(message["settings"])
+            checked = {}
+            for key in ("hold_timeout_s", "max_held", "max_held_bytes"):
+                if key in settings:
+                    value = type(getattr(self.limits, key))(settings[key])
+                    if not math.isfinite(value) or value < 0:
+                        raise ValueError(f"{key} must be a finite number >= 0, got {value!r}")
+                    checked[key] = value
+            for key, value in checked.items():  # (all checked, then applied)
+                setattr(self.limits, key, value)
+            if "continue_streams" in settings:
+                self.front.resume = self.resumer if settings["continue_streams"] else None
         if message.get("exit"):
             self.ending.set()
         return message.get("ask") == "stats"
@@ -99,15 +119,18 @@ class Proxy:
         while True:
             await asyncio.sleep(STATS_S)
             now = self.figures()
-            if now != last and self.daemon is not None:
+            daemon = self.daemon
+            if daemon is not None and daemon.transport.get_write_buffer_size() > MAX_UNREAD:
+                continue  # (a daemon that does not read gets no more until it does)
+            if now != last and daemon is not None:
                 with contextlib.suppress(OSError):
-                    self.daemon.write(_line({"stats": now}))
+                    daemon.write(_line({"stats": now}))
                 last = now
 
     async def run(self) -> int:
         host, _, port = self.listen.rpartition(":")
         server = await asyncio.start_server(
-            self.front.client, host.strip("[]"), int(port), backlog=4096, reuse_address=True
+            self.front.client, host.strip("[]"), int(port), backlog=BACKLOG, reuse_address=True
         )
         with contextlib.suppress(FileNotFoundError):
             self.control_path.unlink()
@@ -132,6 +155,17 @@ class Proxy:
         with contextlib.suppress(FileNotFoundError):
             self.control_path.unlink()
         return 0
+
+
+def _max_clients() -> int:
+    """Client connections at most: half the descriptors (each may need one to the server),
+    the soft limit raised to the hard one first."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, 1 << 20), hard))
+        soft = min(want, 1 << 20)
+    return max(16, (soft - 64) // 2)
 
 
 def _line(obj: dict[str, Any]) -> bytes:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import time
 from typing import Any
@@ -30,9 +31,12 @@ from .wire import (
     ClientGone,
     Closed,
     Events,
+    Head,
     Inbound,
     Request,
+    TooLarge,
     chunk,
+    content_length,
     parse_head,
     parse_request,
     read_body,
@@ -41,10 +45,16 @@ from .wire import (
     status_of,
 )
 
-IDLE_CLIENT_S = 120.0  # a client connection with no request for this long is closed
+IDLE_CLIENT_S = 120.0  # a client connection with no request (or no whole head) this long: closed
+BODY_TIMEOUT_S = 60.0  # a request body not whole this long after its head: the connection closes
+MAX_BODY = 64 << 20  # bytes of one request's body, at most (and max_held_bytes)
+CLOSE = b"connection: close\r\n"
 POOL_IDLE_S = 4.0  # uvicorn closes an idle keep-alive after 5 s: a pooled one older is dropped
 POOL_MAX = 64  # idle connections kept per server
 HELD_HEADER = b"x-gpuwarden-held-s"
+MAX_SENDS = 3  # times one server may drop a request before answering; then 502
+WATCH_AFTER_S = 0.5  # an answer slower than this: the client is watched for leaving
+OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
 UPSTREAM_ERRORS = (OSError, Closed, asyncio.IncompleteReadError, BadMessage)
 
 
@@ -55,6 +65,13 @@ async def _until_eof(inb: Inbound) -> None:
         pass
     if len(inb.buf) >= MAX_HEAD:
         await asyncio.get_running_loop().create_future()  # (no more read: cancelled later)
+
+
+def _spoke(conn: Upstream) -> bool:
+    """Bytes (or its end) came on a connection while it sat idle in the pool: it is not in
+    step with its requests any more (an answer longer than it said, a stray one)."""
+    reader = conn.inb.reader
+    return reader.at_eof() or bool(getattr(reader, "_buffer", b""))  # (asyncio's own buffer)
 
 
 class Upstream:
@@ -84,7 +101,7 @@ class Pool:
         while self.idle:
             conn = self.idle.pop()
             fresh = conn.epoch == self.gate.epoch and now - conn.idle_since < POOL_IDLE_S
-            if fresh and not conn.writer.transport.is_closing() and not conn.inb.reader.at_eof():
+            if fresh and not conn.writer.transport.is_closing() and not _spoke(conn):
                 return conn, True
             conn.close()
         reader, writer = await asyncio.open_connection(*address)
@@ -122,16 +139,23 @@ def simple_response(status: int, reason: bytes, body: bytes, extra: list[bytes])
 class Front:
     """The proxy's listener: every client connection, every request."""
 
-    def __init__(self, gate: Gate, resume: Resumer | None = None) -> None:
+    def __init__(self, gate: Gate, resume: Resumer | None = None, max_clients: int = 10000) -> None:
         self.gate = gate
         self.pool = Pool(gate)
         self.resume = resume  # continue_streams: resumes a cut stream (`resume.py`)
+        self.max_clients = max_clients
+        self.reading = 0  # bytes of request bodies declared and being read now
         self.active = 0  # requests under way (held, or sent on and not answered whole yet)
         self.drained = asyncio.Event()  # set: none is
         self.drained.set()
         self.clients: set[asyncio.StreamWriter] = set()
 
     async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self.clients) >= self.max_clients:  # (each may need a server connection too)
+            body = error_body("busy", f"{len(self.clients)} client connections open already")
+            writer.write(simple_response(503, b"Service Unavailable", body, [CLOSE]))
+            writer.close()
+            return
         self.clients.add(writer)
         inb = Inbound(reader)
         try:
@@ -145,23 +169,43 @@ class Front:
                     return
                 try:
                     request = parse_request(head)
-                    request.body = await read_body(
-                        inb, request.head, self.gate.limits.max_held_bytes
-                    )
+                    request.body = await self._body(request, inb, writer)
                 except BadMessage as exc:
-                    body = json.dumps({"error": {"message": str(exc), "code": 400}}).encode()
-                    writer.write(
-                        simple_response(400, b"Bad Request", body, [b"connection: close\r\n"])
+                    status, reason = (
+                        (413, b"Content Too Large")
+                        if isinstance(exc, TooLarge)
+                        else (400, b"Bad Request")
                     )
+                    body = json.dumps({"error": {"message": str(exc), "code": status}}).encode()
+                    writer.write(simple_response(status, reason, body, [CLOSE]))
                     return
                 if not await self.exchange(request, inb, writer):
                     return
-        except (OSError, Closed, asyncio.IncompleteReadError):
+        except (OSError, Closed, asyncio.IncompleteReadError, TimeoutError):
             return
         finally:
             self.clients.discard(writer)
             with contextlib.suppress(Exception):
                 writer.close()
+
+    async def _body(self, request: Request, inb: Inbound, writer: asyncio.StreamWriter) -> bytes:
+        """A request's body, read within `BODY_TIMEOUT_S`, within `MAX_BODY` and within what
+        all bodies being read may take together (`max_held_bytes`)."""
+        limit = min(MAX_BODY, self.gate.limits.max_held_bytes)
+        declared = content_length(request.head) or 0
+        if declared > limit:
+            raise TooLarge(f"a request body of {declared} bytes, over {limit}")
+        budget = max(self.gate.limits.max_held_bytes, limit)
+        if self.reading + declared > budget:
+            raise TooLarge(f"{self.reading} bytes of request bodies are being read already")
+        if b"100-continue" in request.head.tokens(b"expect") and request.version == b"HTTP/1.1":
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.reading += declared
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                return await read_body(inb, request.head, limit)
+        finally:
+            self.reading -= declared
 
     async def exchange(self, request: Request, inb: Inbound, writer: asyncio.StreamWriter) -> bool:
         """One request through; whether the client connection stays open."""
@@ -179,7 +223,8 @@ class Front:
         counters.requests += 1
         arrived = time.monotonic()
         held = False
-        sent_once = False
+        sends = 0  # times the same server dropped it before answering
+        last_epoch = -1
         while True:
             held = held or (not gate.usable and gate.mode != "reject")
             gone = None if gate.usable else asyncio.ensure_future(_until_eof(inb))
@@ -197,24 +242,38 @@ class Front:
                         await gone
             try:
                 conn, pooled = await self.pool.get(address)
-            except OSError:
+            except OSError as exc:
+                if exc.errno in OUT_OF_FDS:  # the proxy's own limit, not a dead server
+                    busy = Rejected("busy", f"the proxy is out of file descriptors ({exc})", 1)
+                    return self._reject(writer, request, busy, arrived, held)
                 gate.refused(address)
                 continue
             try:
                 conn.writer.write(request.upstream_bytes())
-                head_bytes = await conn.inb.head()
-                if head_bytes is None:
-                    raise Closed("the server closed the connection before answering")
-                head = parse_head(head_bytes)
-                status = status_of(head)
-            except UPSTREAM_ERRORS:
+                answer = await self._answer(conn, inb)
+            except ClientGone:
                 conn.close()
-                if not pooled:  # (a pooled one may have been closed idle: try a fresh one)
-                    gate.refused(address)
-                    if not sent_once:
-                        counters.retried += 1
-                        sent_once = True
+                counters.client_gone += 1
+                return False
+            except BadMessage as exc:  # a server that answers garbage is not a dead one
+                conn.close()
+                return self._fail(writer, request, f"the server's answer: {exc}")
+            except UPSTREAM_ERRORS as exc:
+                conn.close()
+                if pooled:  # (a pooled one may have been closed idle: a fresh one, at once)
+                    continue
+                gate.refused(address)
+                if last_epoch < 0:
+                    counters.retried += 1  # (once a request)
+                # Dropped again by the same server (no new word from the daemon): the
+                # request itself may be what ends it.
+                sends = sends + 1 if conn.epoch == last_epoch else 1
+                last_epoch = conn.epoch
+                if sends >= MAX_SENDS:
+                    why = f"the server dropped it {sends} times before answering ({exc})"
+                    return self._fail(writer, request, why)
                 continue
+            head, status = answer
             if held:
                 counters.released += 1
                 counters.held_for(time.monotonic() - arrived)
@@ -230,6 +289,48 @@ class Front:
                 held=held,
                 address=address,
             )
+
+    async def _answer(self, conn: Upstream, inb: Inbound) -> tuple[Head, int]:
+        """The server's final answer head (1xx ones skipped). A client that leaves while the
+        server computes (a long answer that is not a stream) ends the wait: its connection
+        closes, and the server's request with it."""
+        wait = asyncio.ensure_future(conn.inb.head())
+        try:
+            try:
+                head_bytes = await asyncio.wait_for(asyncio.shield(wait), WATCH_AFTER_S)
+            except TimeoutError:
+                gone = asyncio.ensure_future(_until_eof(inb))
+                try:
+                    await asyncio.wait({wait, gone}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not gone.done():
+                        gone.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, OSError):
+                            await gone
+                if not wait.done():
+                    raise ClientGone() from None
+                head_bytes = wait.result()
+        finally:
+            if not wait.done():
+                wait.cancel()
+        while True:
+            if head_bytes is None:
+                raise Closed("the server closed the connection before answering")
+            head = parse_head(head_bytes)
+            status = status_of(head)
+            if status >= 200:
+                return head, status
+            if status == 101:
+                raise BadMessage("101 Switching Protocols: the proxy does not pass upgrades")
+            head_bytes = await conn.inb.head()  # (100, 102, 103: the final one follows)
+
+    def _fail(self, writer: asyncio.StreamWriter, request: Request, why: str) -> bool:
+        """502: the server's answer cannot be passed on."""
+        self.gate.counters.failed += 1
+        body = json.dumps({"error": {"message": why, "type": "bad_gateway", "code": 502}}).encode()
+        extra = [b"connection: keep-alive\r\n" if request.keep_alive else b"connection: close\r\n"]
+        writer.write(simple_response(502, b"Bad Gateway", body, extra))
+        return request.keep_alive
 
     async def _relay(
         self,
@@ -291,7 +392,8 @@ class Front:
             return False
         except UPSTREAM_ERRORS as exc:
             conn.close()
-            self.gate.refused(address)
+            if not isinstance(exc, BadMessage):  # (garbage is not a dead server)
+                self.gate.refused(address)
             reason: BaseException = exc
             if followed is not None and self.resume is not None and framing == "chunked":
                 try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -58,6 +59,7 @@ class Counters:
     continued: int = 0  # streams cut by a dead server, continued on the next one
     cut: int = 0  # streams ended by a dead server with an error event
     client_gone: int = 0
+    failed: int = 0  # answered 502: the server's answer could not be passed on
     hold_buckets: list[int] = field(default_factory=lambda: [0] * (len(HOLD_BUCKETS) + 1))
     hold_sum_s: float = 0.0
     last_resume: dict[str, Any] | None = None  # where the last continued stream went on
@@ -79,6 +81,7 @@ class Counters:
             "continued": self.continued,
             "cut": self.cut,
             "client_gone": self.client_gone,
+            "failed": self.failed,
             "last_resume": self.last_resume,
             "hold_seconds": {
                 "buckets": list(HOLD_BUCKETS),
@@ -118,21 +121,32 @@ class Gate:
     # -- the daemon's word -----------------------------------------------------------------
 
     def set(self, word: dict[str, Any]) -> None:
+        """The daemon's word, checked whole before any of it applies (ValueError)."""
         mode = str(word.get("mode"))
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         upstream = word.get("upstream")
+        address = None
         if mode == "open":
-            host, port = str(upstream[0]), int(upstream[1])  # type: ignore[index]
-            if (host, port) != self.upstream or self.mode != "open":
+            ok = isinstance(upstream, (list, tuple)) and len(upstream) == 2
+            host, port = (upstream[0], upstream[1]) if ok else (None, None)  # type: ignore[index]
+            if not (isinstance(host, str) and host and type(port) is int and 0 < port < 65536):
+                raise ValueError(f"upstream must be [host, port], got {upstream!r}")
+            address = (host, port)
+        retry = word.get("retry_after_s")
+        if retry is not None and not (
+            isinstance(retry, (int, float)) and math.isfinite(retry) and retry >= 0
+        ):
+            raise ValueError(f"retry_after_s must be a number of seconds, got {retry!r}")
+        if address is not None:
+            if address != self.upstream or self.mode != "open":
                 self.epoch += 1
-            self.upstream = (host, port)
+            self.upstream = address
         self.mode = mode
         self.model = str(word["model"]) if word.get("model") else self.model
         self.state = str(word.get("state") or mode)
         self.reason = str(word.get("reason") or "")
-        retry = word.get("retry_after_s")
-        self.retry_after_s = max(1, int(retry)) if isinstance(retry, (int, float)) else None
+        self.retry_after_s = max(1, min(int(retry), 86400)) if retry is not None else None
         self.down = False
         self._wake()
 

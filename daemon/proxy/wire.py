@@ -8,11 +8,18 @@ slice), so a streamed response passes on as soon as its bytes arrive. Standard l
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 
 READ_SIZE = 65536
 MAX_HEAD = 65536
 MAX_CHUNK_LINE = 4096
+MAX_EVENT = 1 << 20  # bytes of an event stream with no event boundary, at most
+VERSIONS = (b"HTTP/1.0", b"HTTP/1.1")
+TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110's tchar
+LENGTH = re.compile(rb"[0-9]{1,18}")
+CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,15}")
+STATUS = re.compile(rb"[1-5][0-9][0-9]")
 WRITE_HIGH = 65536  # bytes waiting for a client before its answer waits for it
 # Hop-by-hop fields (RFC 9110 7.6.1) and the framing, which the proxy sets itself.
 HOP = frozenset(
@@ -52,6 +59,10 @@ class Closed(Exception):
 
 class BadMessage(Exception):
     """What arrived is not HTTP/1.1 the proxy can pass on."""
+
+
+class TooLarge(BadMessage):
+    """A request body over the proxy's bound (413)."""
 
 
 class Inbound:
@@ -118,14 +129,39 @@ class Head:
 
 
 def parse_head(data: bytes) -> Head:
+    """A message head, strictly: a bare CR or LF, or a NUL, anywhere in it would let a peer
+    that reads line ends more loosely see another message in it (request smuggling)."""
     lines = data[:-4].split(b"\r\n")
+    if b"\x00" in data or any(b"\r" in line or b"\n" in line for line in lines):
+        raise BadMessage("a bare CR or LF, or a NUL, in the head")
     fields = []
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
-        if not sep or not name or name != name.strip() or b" " in name:
+        if not sep or not TOKEN.fullmatch(name):
             raise BadMessage(f"a malformed header line: {line[:80]!r}")
-        fields.append((name.lower(), value.strip()))
+        fields.append((name.lower(), value.strip(b" \t")))
     return Head(lines[0], fields)
+
+
+def content_length(head: Head) -> int | None:
+    """Its Content-Length (None: none); several that differ, or one not digits, are refused."""
+    values = {value for key, value in head.fields if key == b"content-length"}
+    if not values:
+        return None
+    if len(values) > 1 or not all(LENGTH.fullmatch(v) for v in values):
+        raise BadMessage(f"a bad or repeated content-length: {sorted(values)[:2]!r}")
+    return int(values.pop())
+
+
+def chunked(head: Head) -> bool:
+    """Whether its body is chunked; any other transfer coding, or one beside a
+    Content-Length, is refused (a peer could frame the message differently)."""
+    coding = head.tokens(b"transfer-encoding")
+    if not coding:
+        return False
+    if coding != {b"chunked"} or head.get(b"content-length") is not None:
+        raise BadMessage(f"a transfer-encoding the proxy does not frame: {sorted(coding)!r}")
+    return True
 
 
 @dataclass(slots=True)
@@ -152,6 +188,8 @@ class Request:
         """The request as the server gets it: HTTP/1.1, its body framed by length."""
         out = [b"%s %s HTTP/1.1\r\n" % (self.method, self.target)]
         out.extend(b"%s: %s\r\n" % kv for kv in self.head.fields if kv[0] not in HOP)
+        if self.head.get(b"host") is None:  # (HTTP/1.0 needs none; 1.1 does)
+            out.append(b"host: gpuwarden\r\n")
         out.append(b"content-length: %d\r\n\r\n" % len(self.body))
         out.append(self.body)
         return b"".join(out)
@@ -160,31 +198,31 @@ class Request:
 def parse_request(data: bytes) -> Request:
     head = parse_head(data)
     parts = head.first.split(b" ")
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+    if len(parts) != 3 or parts[2] not in VERSIONS or not TOKEN.fullmatch(parts[0]):
         raise BadMessage(f"not an HTTP/1.x request line: {head.first[:80]!r}")
+    if not parts[1] or not parts[1].isascii():
+        raise BadMessage(f"a bad request target: {parts[1][:80]!r}")
     return Request(parts[0], parts[1], parts[2], head)
 
 
 async def read_body(inb: Inbound, head: Head, limit: int) -> bytes:
     """A request's body, whole (it is sent again if its server dies before answering)."""
-    if b"chunked" in head.tokens(b"transfer-encoding"):
+    if chunked(head):
         decoder = Body("chunked", 0)
         out = bytearray()
         while not decoder.done:
             out += decoder.feed(inb.buf)
             if len(out) > limit:
-                raise BadMessage(f"a request body over {limit} bytes")
+                raise TooLarge(f"a request body over {limit} bytes")
             if not decoder.done and not await inb.fill():
                 raise Closed("the connection closed inside a chunked body")
         return bytes(out)
-    length = head.get(b"content-length")
+    length = content_length(head)
     if length is None:
         return b""
-    if not length.isdigit():
-        raise BadMessage(f"a bad content-length: {length[:40]!r}")
-    if int(length) > limit:
-        raise BadMessage(f"a request body of {int(length)} bytes, over {limit}")
-    return await inb.exactly(int(length))
+    if length > limit:
+        raise TooLarge(f"a request body of {length} bytes, over {limit}")
+    return await inb.exactly(length)
 
 
 class Body:
@@ -238,10 +276,10 @@ class Body:
             if self._trailers:
                 self.done = not line
                 continue
-            try:
-                size = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise BadMessage(f"a bad chunk size: {line[:40]!r}") from None
+            size_text = line.split(b";", 1)[0].strip(b" \t")
+            if not CHUNK_SIZE.fullmatch(size_text):
+                raise BadMessage(f"a bad chunk size: {line[:40]!r}")
+            size = int(size_text, 16)
             if size == 0:
                 self._trailers = True
             self._left = size
@@ -249,19 +287,19 @@ class Body:
 
 
 def response_body(request: Request, status: int, head: Head) -> Body:
-    if request.method == b"HEAD" or status < 200 or status in (204, 304):
+    if request.method == b"HEAD" or status in (204, 304):
         return Body("none", 0)
-    if b"chunked" in head.tokens(b"transfer-encoding"):
+    if chunked(head):
         return Body("chunked", 0)
-    length = head.get(b"content-length")
-    if length is not None and length.isdigit():
-        return Body("length", int(length))
+    length = content_length(head)
+    if length is not None:
+        return Body("length", length)
     return Body("close", 0)
 
 
 def status_of(head: Head) -> int:
     parts = head.first.split(b" ", 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+    if len(parts) < 2 or parts[0] not in VERSIONS or not STATUS.fullmatch(parts[1]):
         raise BadMessage(f"not an HTTP/1.x status line: {head.first[:80]!r}")
     return int(parts[1])
 
@@ -274,21 +312,28 @@ LAST_CHUNK = b"0\r\n\r\n"
 
 
 class Events:
-    """Server-sent events, passed on whole: bytes up to the last event boundary."""
+    """Server-sent events, passed on whole: bytes up to the last event boundary. A stream with
+    no boundary for `MAX_EVENT` bytes is broken (its bytes would pile up)."""
 
-    __slots__ = ("pending",)
+    __slots__ = ("pending", "scanned")
 
     def __init__(self) -> None:
         self.pending = bytearray()
+        self.scanned = 0  # bytes of `pending` known to hold no boundary
 
     def feed(self, data: bytes) -> bytes:
         self.pending += data
-        lf, crlf = self.pending.rfind(b"\n\n"), self.pending.rfind(b"\r\n\r\n")
+        start = max(0, self.scanned - 3)  # (a boundary may straddle the last read)
+        lf, crlf = self.pending.rfind(b"\n\n", start), self.pending.rfind(b"\r\n\r\n", start)
         end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
         if not end:
+            self.scanned = len(self.pending)
+            if self.scanned > MAX_EVENT:
+                raise BadMessage(f"an event stream with no event boundary in {MAX_EVENT} bytes")
             return b""
         out = bytes(self.pending[:end])
         del self.pending[:end]
+        self.scanned = len(self.pending)
         return out
 
 
