@@ -88,6 +88,19 @@ async def burst(port: int, streams: int, tokens: int) -> tuple[list[float], floa
     return [d[0] for d in done], sum(d[1] for d in done) / wall
 
 
+async def mixed(
+    direct: int, proxy: int, streams: int, tokens: int, first: int
+) -> tuple[list[float], list[float]]:
+    """One burst of `streams` concurrent streams, alternately direct and through the proxy:
+    the TTFTs of each."""
+    ports = [proxy if (i + first) % 2 else direct for i in range(streams)]
+    done = await asyncio.gather(*(one_stream(port, tokens) for port in ports))
+    return (
+        [d[0] for d, port in zip(done, ports, strict=True) if port == direct],
+        [d[0] for d, port in zip(done, ports, strict=True) if port == proxy],
+    )
+
+
 def wait_http(port: int, path: str = "/health", timeout: float = 60) -> None:
     import httpx  # noqa: PLC0415
 
@@ -152,15 +165,32 @@ def steady(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, Any]]:
         for r in range(args.rounds):
             for name in order[r % 3 :] + order[: r % 3]:
                 firsts, rate = asyncio.run(burst(targets[name], args.streams, args.tokens))
-                ttft[name] += firsts
                 rates[name].append(rate)
+                if name == "uvicorn+httpx":
+                    ttft[name] += firsts
+            # TTFT side by side: one burst, every other stream through the proxy, so both
+            # land in the same batch steps of the server (whose step quantizes TTFT).
+            for first in (0, 1):
+                both = asyncio.run(mixed(server_port, proxy_port, args.streams, args.tokens, first))
+                ttft["direct"] += both[0]
+                ttft["proxy"] += both[1]
+        # One stream at a time, alternately: the proxy's own added latency, no batch to share.
+        alone: dict[str, list[float]] = {"direct": [], "proxy": []}
+        for _ in range(args.rounds * 10):
+            for name in ("direct", "proxy"):
+                alone[name] += asyncio.run(burst(targets[name], 1, 4))[0]
         control.close()
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
         for proc in procs:
             proc.wait(20)
-    out = {}
+    out: dict[str, dict[str, Any]] = {
+        "alone": {
+            name: {"p50_ms": 1000 * pct(alone[name], 0.5), "p99_ms": 1000 * pct(alone[name], 0.99)}
+            for name in alone
+        }
+    }
     for name in targets:
         out[name] = {
             "ttft_p50_ms": 1000 * pct(ttft[name], 0.5),
@@ -239,12 +269,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         figures = steady(args, Path(tmp))
         delays = release(args, Path(tmp))
+    alone = figures.pop("alone")
     direct = figures["direct"]
     lines = [
         "# The front proxy: overhead on every token, and the release of held requests",
         "",
         measured_on() + f"; {args.streams} concurrent streams of {args.tokens} tokens, "
-        f"{args.rounds} rounds, on the stand-in (its decode paced as a small model's batch).",
+        f"{args.rounds} rounds, on the stand-in (its decode paced as a small model's batch). "
+        "TTFT of direct and proxy: from the same bursts, every other stream through the proxy "
+        "(the server's batch step quantizes TTFT; separate bursts land on different steps); "
+        "tok/s and the uvicorn+httpx row: from bursts of their own, in turn.",
         "",
         "| path | TTFT p50 | TTFT p99 | TTFT overhead p50 / p99 | decode tok/s | tok/s vs direct |",
         "|---|---|---|---|---|---|",
@@ -261,6 +295,13 @@ def main() -> int:
             f"{f['tok_s']:.0f} | {100 * f['tok_s'] / direct['tok_s']:.1f} % |"
         )
     lines += [
+        "",
+        f"One stream at a time ({args.rounds * 10} each, alternately): TTFT direct p50 "
+        f"{alone['direct']['p50_ms']:.2f} ms / p99 {alone['direct']['p99_ms']:.2f} ms, through "
+        f"the proxy p50 {alone['proxy']['p50_ms']:.2f} ms / p99 {alone['proxy']['p99_ms']:.2f} ms "
+        f"({alone['proxy']['p50_ms'] - alone['direct']['p50_ms']:+.2f} / "
+        f"{alone['proxy']['p99_ms'] - alone['direct']['p99_ms']:+.2f} ms): the proxy's own cost "
+        "per request, two more loopback hops and its parsing.",
         "",
         f"Release after `ready` ({len(delays)} held requests over {args.rounds} crash-restarts, "
         "the daemon's ready record to the held answer's first byte, which includes a 1-token "

@@ -295,24 +295,27 @@ class Front:
         server computes (a long answer that is not a stream) ends the wait: its connection
         closes, and the server's request with it."""
         wait = asyncio.ensure_future(conn.inb.head())
+        watching: list[asyncio.Future[None]] = []
+
+        def watch() -> None:  # (only for a slow answer: a fast one costs no watcher)
+            gone = asyncio.ensure_future(_until_eof(inb))
+            gone.add_done_callback(lambda _: wait.cancel())
+            watching.append(gone)
+
+        timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
         try:
-            try:
-                head_bytes = await asyncio.wait_for(asyncio.shield(wait), WATCH_AFTER_S)
-            except TimeoutError:
-                gone = asyncio.ensure_future(_until_eof(inb))
-                try:
-                    await asyncio.wait({wait, gone}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    if not gone.done():
-                        gone.cancel()
-                        with contextlib.suppress(asyncio.CancelledError, OSError):
-                            await gone
-                if not wait.done():
-                    raise ClientGone() from None
-                head_bytes = wait.result()
+            head_bytes = await wait
+        except asyncio.CancelledError:
+            if watching and watching[0].done() and not watching[0].cancelled():
+                raise ClientGone() from None
+            raise
         finally:
-            if not wait.done():
-                wait.cancel()
+            timer.cancel()
+            for gone in watching:
+                if not gone.done():
+                    gone.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, OSError):
+                        await gone
         while True:
             if head_bytes is None:
                 raise Closed("the server closed the connection before answering")
