@@ -233,3 +233,38 @@ def test_a_request_a_healthy_server_keeps_dropping_gets_502_after_three_tries(
         assert len(up.requests) == 3
         figures = control.stats(lambda s: s["failed"] == 1)
         assert figures["retried"] == 1
+
+
+def test_a_cut_chat_stream_of_tool_calls_ends_with_an_error_event_not_a_wrong_continuation(
+    procs: list[Proc], tmp_path: Path
+) -> None:
+    call = {"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": '{"a'}}]}
+    chunk_ = {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": call}],
+    }
+
+    def cut(conn: socket.socket) -> None:  # a chunked stream that dies after one event
+        event = b"data: " + json.dumps(chunk_).encode() + b"\n\n"
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(event), event)
+        )
+        conn.shutdown(socket.SHUT_RDWR)
+
+    with (
+        scripted([cut]) as up,
+        running_proxy(procs, tmp_path, "--continue-streams") as (url, control, _),
+    ):
+        control.gate("open", up.port, state="ready", model="m")
+        control.stats(lambda s: s["mode"] == "open")
+        body = json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
+        answer = raw(
+            port_of(url),
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body),
+        )
+        assert b"tool calls and reasoning are not continued" in answer
+        assert b"data: [DONE]" in answer and answer.endswith(b"0\r\n\r\n")
+        assert control.stats(lambda s: s["cut"] == 1)["continued"] == 0

@@ -19,121 +19,38 @@ import json
 import time
 from typing import Any
 
+from .answers import error_body, final_answer, simple_response, until_eof
 from .followed import Followed
 from .gate import Gate, Gone, Rejected
 from .openai import FollowedOpenAI
+from .pool import Pool, Upstream
 from .resume import Resumer, follow
 from .wire import (
     HOP,
     LAST_CHUNK,
-    MAX_HEAD,
     BadMessage,
     ClientGone,
     Closed,
     Events,
-    Head,
     Inbound,
     Request,
     TooLarge,
     chunk,
     content_length,
-    parse_head,
     parse_request,
     read_body,
     response_body,
     send,
-    status_of,
 )
 
 IDLE_CLIENT_S = 120.0  # a client connection with no request (or no whole head) this long: closed
 BODY_TIMEOUT_S = 60.0  # a request body not whole this long after its head: the connection closes
 MAX_BODY = 64 << 20  # bytes of one request's body, at most (and max_held_bytes)
 CLOSE = b"connection: close\r\n"
-POOL_IDLE_S = 4.0  # uvicorn closes an idle keep-alive after 5 s: a pooled one older is dropped
-POOL_MAX = 64  # idle connections kept per server
 HELD_HEADER = b"x-gpuwarden-held-s"
 MAX_SENDS = 3  # times one server may drop a request before answering; then 502
-WATCH_AFTER_S = 0.5  # an answer slower than this: the client is watched for leaving
 OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
 UPSTREAM_ERRORS = (OSError, Closed, asyncio.IncompleteReadError, BadMessage)
-
-
-async def _until_eof(inb: Inbound) -> None:
-    """Ends when the client closes its connection; what it sends meanwhile (a next request)
-    is kept in its buffer, up to a head's worth."""
-    while len(inb.buf) < MAX_HEAD and await inb.fill():
-        pass
-    if len(inb.buf) >= MAX_HEAD:
-        await asyncio.get_running_loop().create_future()  # (no more read: cancelled later)
-
-
-def _spoke(conn: Upstream) -> bool:
-    """Bytes (or its end) came on a connection while it sat idle in the pool: it is not in
-    step with its requests any more (an answer longer than it said, a stray one)."""
-    reader = conn.inb.reader
-    return reader.at_eof() or bool(getattr(reader, "_buffer", b""))  # (asyncio's own buffer)
-
-
-class Upstream:
-    """One connection to the server."""
-
-    __slots__ = ("epoch", "idle_since", "inb", "writer")
-
-    def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, epoch: int
-    ) -> None:
-        self.inb, self.writer, self.epoch = Inbound(reader), writer, epoch
-        self.idle_since = 0.0
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.writer.close()
-
-
-class Pool:
-    def __init__(self, gate: Gate) -> None:
-        self.gate = gate
-        self.idle: list[Upstream] = []
-
-    async def get(self, address: tuple[str, int]) -> tuple[Upstream, bool]:
-        """A connection to `address` (and whether it was pooled, so may be stale)."""
-        now = time.monotonic()
-        while self.idle:
-            conn = self.idle.pop()
-            fresh = conn.epoch == self.gate.epoch and now - conn.idle_since < POOL_IDLE_S
-            if fresh and not conn.writer.transport.is_closing() and not _spoke(conn):
-                return conn, True
-            conn.close()
-        reader, writer = await asyncio.open_connection(*address)
-        return Upstream(reader, writer, self.gate.epoch), False
-
-    def put(self, conn: Upstream) -> None:
-        if conn.epoch != self.gate.epoch or len(self.idle) >= POOL_MAX or conn.inb.buf:
-            conn.close()
-            return
-        conn.idle_since = time.monotonic()
-        self.idle.append(conn)
-
-
-def error_body(state: str, message: str, **extra: Any) -> bytes:
-    return json.dumps(
-        {
-            "error": {
-                "message": message,
-                "type": "server_unavailable",
-                "code": 503,
-                "state": state,
-                **extra,
-            }
-        }
-    ).encode()
-
-
-def simple_response(status: int, reason: bytes, body: bytes, extra: list[bytes]) -> bytes:
-    head = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
-    head += extra
-    head.append(b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body))
-    return b"".join(head) + body
 
 
 class Front:
@@ -227,7 +144,7 @@ class Front:
         last_epoch = -1
         while True:
             held = held or (not gate.usable and gate.mode != "reject")
-            gone = None if gate.usable else asyncio.ensure_future(_until_eof(inb))
+            gone = None if gate.usable else asyncio.ensure_future(until_eof(inb))
             try:
                 address = await gate.admit(arrived, len(request.body), gone, request.what)
             except Rejected as exc:
@@ -250,7 +167,7 @@ class Front:
                 continue
             try:
                 conn.writer.write(request.upstream_bytes())
-                answer = await self._answer(conn, inb)
+                answer = await final_answer(conn, inb)
             except ClientGone:
                 conn.close()
                 counters.client_gone += 1
@@ -289,43 +206,6 @@ class Front:
                 held=held,
                 address=address,
             )
-
-    async def _answer(self, conn: Upstream, inb: Inbound) -> tuple[Head, int]:
-        """The server's final answer head (1xx ones skipped). A client that leaves while the
-        server computes (a long answer that is not a stream) ends the wait: its connection
-        closes, and the server's request with it."""
-        wait = asyncio.ensure_future(conn.inb.head())
-        watching: list[asyncio.Future[None]] = []
-
-        def watch() -> None:  # (only for a slow answer: a fast one costs no watcher)
-            gone = asyncio.ensure_future(_until_eof(inb))
-            gone.add_done_callback(lambda _: wait.cancel())
-            watching.append(gone)
-
-        timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
-        try:
-            head_bytes = await wait
-        except asyncio.CancelledError:
-            if watching and watching[0].done() and not watching[0].cancelled():
-                raise ClientGone() from None
-            raise
-        finally:
-            timer.cancel()
-            for gone in watching:
-                if not gone.done():
-                    gone.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, OSError):
-                        await gone
-        while True:
-            if head_bytes is None:
-                raise Closed("the server closed the connection before answering")
-            head = parse_head(head_bytes)
-            status = status_of(head)
-            if status >= 200:
-                return head, status
-            if status == 101:
-                raise BadMessage("101 Switching Protocols: the proxy does not pass upgrades")
-            head_bytes = await conn.inb.head()  # (100, 102, 103: the final one follows)
 
     def _fail(self, writer: asyncio.StreamWriter, request: Request, why: str) -> bool:
         """502: the server's answer cannot be passed on."""

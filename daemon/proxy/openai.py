@@ -54,7 +54,9 @@ class FollowedOpenAI:
         self.body, self.model, self.chat = body, model, chat
         self.text = ""
         self.first: dict[str, Any] | None = None  # id, object, created, model of the stream
-        self.broken: str | None = None
+        # Logprobs and several choices have no native form the proxy rewrites.
+        many = body.get("logprobs") or body.get("top_logprobs") or (body.get("best_of") or 1) != 1
+        self.broken: str | None = "logprobs or best_of are not continued" if many else None
         self.resumes = 0
         self.tokens_sent = 0  # as re-tokenized at the last resume
         self.prompt_tokens = 0
@@ -73,11 +75,10 @@ class FollowedOpenAI:
                     keys = ("id", "object", "created", "model", "system_fingerprint")
                     self.first = {k: obj[k] for k in keys if k in obj}
                 for choice in obj.get("choices") or []:
-                    piece = (
-                        (choice.get("delta") or {}).get("content")
-                        if self.chat
-                        else choice.get("text")
-                    )
+                    delta = choice.get("delta") or {}
+                    if delta.get("tool_calls") or delta.get("reasoning_content"):
+                        self.broken = "tool calls and reasoning are not continued"
+                    piece = delta.get("content") if self.chat else choice.get("text")
                     if piece:
                         self.text += str(piece)
             except (ValueError, TypeError, AttributeError) as exc:

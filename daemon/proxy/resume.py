@@ -30,8 +30,8 @@ from .wire import (
 
 if TYPE_CHECKING:
     from .followed import Base
-    from .front import Pool
     from .gate import Gate
+    from .pool import Pool
 
 MAX_RESUMES = 3  # a stream continued this often and cut again ends with an error event
 MAX_ASKS = 20  # next servers that could not be asked for a continuation, at most
