@@ -144,10 +144,15 @@ async def test_clients_see_latency_not_errors_through_crashes_swaps_and_a_rollba
         await asyncio.wait_for(running, 90)
     assert not clients.problems, clients.problems[:5]
     assert clients.outcomes["held"] > 0 and clients.outcomes["stream"] > 0, clients.outcomes
+
+    def settled() -> bool:  # (its figures come twice a second)
+        figures = d.status()["proxy"]
+        return figures["held"] == 0 and figures["cut"] == clients.outcomes["cut"]
+
+    await asyncio.to_thread(wait_until, settled, 10, "the proxy's last figures")
     figures = (await asyncio.to_thread(d.status))["proxy"]
-    assert figures["connected"] and figures["held"] == 0 and figures["rejected"] == 0
+    assert figures["connected"] and figures["rejected"] == 0
     assert figures["released"] >= clients.outcomes["held"]
-    assert figures["cut"] == clients.outcomes["cut"]
     if continue_streams:  # (a crash cuts streams; a swap drains them)
         assert figures["cut"] == 0 and figures["continued"] > 0, figures
     metrics = (await asyncio.to_thread(d.http.get, "/metrics")).text

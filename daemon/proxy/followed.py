@@ -110,6 +110,8 @@ class Followed:
         if not text.startswith(followed.text) or ids[: len(followed.ids)] != followed.ids:
             raise ValueError("the next server's output does not go on from what was sent")
         new_ids, new_text = ids[len(followed.ids) :], text[len(followed.text) :]
+        if followed.first_id is None:  # (cut before its first event: the next server's own)
+            followed.first_id, followed.prompt_tokens = meta.get("id"), meta.get("prompt_tokens")
         meta.update(
             id=followed.first_id, prompt_tokens=followed.prompt_tokens, completion_tokens=len(ids)
         )

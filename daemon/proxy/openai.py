@@ -18,6 +18,8 @@ and its events are rewritten as the stream's chunks (its id, created, model; `de
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from typing import Any
 
 from .followed import CONTEXT_IDS, Base, Call, Continuation, State
@@ -148,8 +150,17 @@ class FollowedOpenAI:
         self.text = text
         self.completion_tokens = len(base[0]) + len(state[0])
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if self.first is None:  # (cut before its first chunk: this one is the stream's first)
+            self.first = {
+                "id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.body.get("model") or self.model,
+            }
+            if self.chat:
+                choice["delta"] = {"role": "assistant", "content": delta}
         if self.chat:
-            choice["delta"] = {"content": delta}
+            choice.setdefault("delta", {"content": delta})
         else:
             choice["text"] = delta
         return json.dumps({**(self.first or {}), "choices": [choice]}).encode()
