@@ -53,9 +53,9 @@ class Followed:
         return len(self.ids)
 
     def saw(self, data: bytes) -> None:
-        for event in split_events(data):
-            if event == b"[DONE]" or self.broken:
-                continue
+        for event in data_events(data):
+            if self.broken:
+                return
             try:
                 obj = json.loads(event)
                 self.ids, self.text, self.incremental = merged(
@@ -127,6 +127,11 @@ class Followed:
 
     def closing(self) -> list[bytes]:
         return []
+
+
+def data_events(data: bytes) -> list[bytes]:
+    """The data of the events in `data` but the stream's end (`[DONE]`)."""
+    return [event for event in split_events(data) if event != b"[DONE]"]
 
 
 def merged(

@@ -22,8 +22,7 @@ import time
 import uuid
 from typing import Any
 
-from .followed import CONTEXT_IDS, Base, Call, Continuation, State
-from .wire import split_events
+from .followed import CONTEXT_IDS, Base, Call, Continuation, State, data_events
 
 OPENAI = (b"/v1/chat/completions", b"/v1/completions")
 # OpenAI's request fields that are SGLang's sampling parameters of the same name.
@@ -65,9 +64,9 @@ class FollowedOpenAI:
         self.completion_tokens = 0
 
     def saw(self, data: bytes) -> None:
-        for event in split_events(data):
-            if event == b"[DONE]" or self.broken:
-                continue
+        for event in data_events(data):
+            if self.broken:
+                return
             try:
                 obj = json.loads(event)
                 if "error" in obj:

@@ -17,23 +17,26 @@ from .openai import OPENAI, FollowedOpenAI
 from .wire import (
     LAST_CHUNK,
     BadMessage,
-    Body,
     Closed,
     Events,
+    Head,
     Request,
     chunk,
+    framing,
     parse_head,
     send,
     split_events,
     status_of,
+    whole,
 )
 
 if TYPE_CHECKING:
     from .followed import Base
     from .gate import Gate
-    from .pool import Pool
+    from .pool import Pool, Upstream
 
 MAX_RESUMES = 3  # a stream continued this often and cut again ends with an error event
+MAX_ANSWER = 64 << 20  # bytes of a tokenizer route's answer, at most
 MAX_ASKS = 20  # next servers that could not be asked for a continuation, at most
 UNREACHED = (OSError, Closed, BadMessage, asyncio.IncompleteReadError)
 
@@ -119,27 +122,15 @@ class Resumer:
     ) -> None:
         body, base = continuation
         conn, _ = await pool.get(address)
-        data = json.dumps(body).encode()
-        conn.writer.write(
-            b"POST /generate HTTP/1.1\r\nhost: gpuwarden\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(data), data)
-        )
         try:
-            head_bytes = await conn.inb.head()
-            if head_bytes is None:
-                raise ConnectionResetError("the server closed the connection")
-            head = parse_head(head_bytes)
+            head = await _post(conn, b"/generate", body)
             if status_of(head) != 200:
                 raise CannotResume(f"the next server answered {status_of(head)}")
-            framing = (
-                Body("chunked", 0)
-                if b"chunked" in head.tokens(b"transfer-encoding")
-                else Body("close", 0)
-            )
+            framed = framing(head)
             events = Events()
             state: tuple[list[int], str, bool | None] = ([], "", None)
             while True:
-                for event in split_events(events.feed(framing.feed(conn.inb.buf))):
+                for event in split_events(events.feed(framed.feed(conn.inb.buf))):
                     if event == b"[DONE]":
                         conn.close()
                         await send(writer, _ending(followed))
@@ -148,7 +139,7 @@ class Resumer:
                     out = followed.rewrite(base, state, json.loads(event))
                     if out is not None:
                         await send(writer, chunk(b"data: " + out + b"\n\n"))
-                if framing.done or not await conn.inb.fill():
+                if framed.done or not await conn.inb.fill():
                     raise ConnectionResetError("the server closed the connection mid-stream")
         except (ValueError, TypeError, KeyError) as exc:
             conn.close()
@@ -162,26 +153,31 @@ async def _call(pool: Pool, address: tuple[str, int], path: str, payload: dict[s
     """One small JSON request to the server (its tokenizer's routes)."""
     conn, _ = await pool.get(address)
     try:
-        data = json.dumps(payload).encode()
-        conn.writer.write(
-            b"POST %s HTTP/1.1\r\nhost: gpuwarden\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%s" % (path.encode(), len(data), data)
-        )
-        head_bytes = await conn.inb.head()
-        if head_bytes is None:
-            raise ConnectionResetError("the server closed the connection")
-        head = parse_head(head_bytes)
+        head = await _post(conn, path.encode(), payload)
         if status_of(head) != 200:
             raise ValueError(f"{path} answered {status_of(head)}")
-        length = head.get(b"content-length")
-        if length is None or not length.isdigit():
-            raise ValueError(f"{path} answered without a length")
-        answer = json.loads(await conn.inb.exactly(int(length)))
+        answer = json.loads(await whole(conn.inb, framing(head), MAX_ANSWER))
     except BaseException:
         conn.close()
         raise
     pool.put(conn)
     return answer
+
+
+async def _post(conn: Upstream, path: bytes, payload: dict[str, Any]) -> Head:
+    """POST `payload` as JSON on `conn`: the server's final answer head (1xx skipped)."""
+    data = json.dumps(payload).encode()
+    conn.writer.write(
+        b"POST %s HTTP/1.1\r\nhost: gpuwarden\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (path, len(data), data)
+    )
+    while True:
+        head_bytes = await conn.inb.head()
+        if head_bytes is None:
+            raise ConnectionResetError("the server closed the connection before answering")
+        head = parse_head(head_bytes)
+        if status_of(head) >= 200:
+            return head
 
 
 def _ending(followed: Followed | FollowedOpenAI) -> bytes:

@@ -207,22 +207,27 @@ def parse_request(data: bytes) -> Request:
 
 async def read_body(inb: Inbound, head: Head, limit: int) -> bytes:
     """A request's body, whole (it is sent again if its server dies before answering)."""
-    if chunked(head):
-        decoder = Body("chunked", 0)
-        out = bytearray()
-        while not decoder.done:
-            out += decoder.feed(inb.buf)
-            if len(out) > limit:
-                raise TooLarge(f"a request body over {limit} bytes")
-            if not decoder.done and not await inb.fill():
-                raise Closed("the connection closed inside a chunked body")
-        return bytes(out)
     length = content_length(head)
-    if length is None:
-        return b""
-    if length > limit:
+    if length is not None and length > limit:
         raise TooLarge(f"a request body of {length} bytes, over {limit}")
-    return await inb.exactly(length)
+    if not chunked(head) and length is None:
+        return b""  # (a request without framing has no body)
+    return await whole(inb, framing(head), limit)
+
+
+async def whole(inb: Inbound, body: Body, limit: int) -> bytes:
+    """A body decoded whole from `inb`: at most `limit` bytes (TooLarge), all of them (Closed)."""
+    out = bytearray()
+    while True:
+        out += body.feed(inb.buf)
+        if len(out) > limit:
+            raise TooLarge(f"a body over {limit} bytes")
+        if body.done:
+            return bytes(out)
+        if not await inb.fill():
+            if body.kind == "close":
+                return bytes(out)
+            raise Closed("the connection closed inside a body")
 
 
 class Body:
@@ -286,15 +291,18 @@ class Body:
         return bytes(out)
 
 
-def response_body(request: Request, status: int, head: Head) -> Body:
-    if request.method == b"HEAD" or status in (204, 304):
-        return Body("none", 0)
+def framing(head: Head) -> Body:
+    """How a message's body is framed: chunked, by its length, or to the connection's end."""
     if chunked(head):
         return Body("chunked", 0)
     length = content_length(head)
-    if length is not None:
-        return Body("length", length)
-    return Body("close", 0)
+    return Body("close", 0) if length is None else Body("length", length)
+
+
+def response_body(request: Request, status: int, head: Head) -> Body:
+    if request.method == b"HEAD" or status in (204, 304):
+        return Body("none", 0)
+    return framing(head)
 
 
 def status_of(head: Head) -> int:
