@@ -123,6 +123,16 @@ def test_the_shim_has_a_unit_of_its_own_so_servers_outlive_the_daemons() -> None
         assert d in shim and d in daemon
 
 
+def state_dir_of(unit: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The state directory the installed settings give under `unit`'s own environment."""
+    with monkeypatch.context() as env:
+        for line in unit.read_text().splitlines():
+            if line.startswith("Environment=GPUWARDEN_"):
+                key, value = line.removeprefix("Environment=").split("=", 1)
+                env.setenv(key, value)
+        return load_settings(ROOT / "systemd" / "settings.yaml").state_dir
+
+
 def test_the_proxy_has_a_unit_of_its_own_so_clients_outlive_the_daemon(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -134,28 +144,13 @@ def test_the_proxy_has_a_unit_of_its_own_so_clients_outlive_the_daemon(
     assert "Environment=GPUWARDEN_PROXY_UNIT=gpuwarden-proxy.service" in daemon
     assert "PartOf=" not in proxy and "BindsTo=" not in proxy
     assert "ExecStart=/opt/gpuwarden/.venv/bin/gpuwarden proxy --settings " in proxy
-    folders = []
-    for unit in (UNIT, PROXY_UNIT):
-        with monkeypatch.context() as env:
-            for line in unit.read_text().splitlines():
-                if line.startswith("Environment=GPUWARDEN_"):
-                    key, value = line.removeprefix("Environment=").split("=", 1)
-                    env.setenv(key, value)
-            folders.append(load_settings(ROOT / "systemd" / "settings.yaml").state_dir)
-    assert folders[0] == folders[1] == Path("/var/lib/gpuwarden")
+    assert state_dir_of(UNIT, monkeypatch) == state_dir_of(PROXY_UNIT, monkeypatch)
 
 
 def test_both_units_find_the_same_shim(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shim's unit and the daemon's resolve the same state directory from the installed
     settings (the socket is <state_dir>/shim/shim.sock), under their own environments."""
-    folders = []
-    for unit in (UNIT, SHIM_UNIT):
-        with monkeypatch.context() as env:
-            for line in unit.read_text().splitlines():
-                if line.startswith("Environment=GPUWARDEN_"):
-                    key, value = line.removeprefix("Environment=").split("=", 1)
-                    env.setenv(key, value)
-            folders.append(load_settings(ROOT / "systemd" / "settings.yaml").state_dir)
+    folders = [state_dir_of(unit, monkeypatch) for unit in (UNIT, SHIM_UNIT)]
     assert folders[0] == folders[1] == Path("/var/lib/gpuwarden")
 
 

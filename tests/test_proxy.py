@@ -117,8 +117,7 @@ async def test_the_gate_releases_its_waiters_in_arrival_order() -> None:
     tasks = []
     for i in range(20):
         tasks.append(asyncio.create_task(one(i)))
-        await asyncio.sleep(0)
-    await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # (each arrives, and waits, before the next)
     assert len(gate.waiters) == 20 and gate.held_bytes == 200
     gate.set({"mode": "open", "upstream": ["127.0.0.1", 1], "state": "ready"})
     await asyncio.gather(*tasks)
@@ -127,8 +126,11 @@ async def test_the_gate_releases_its_waiters_in_arrival_order() -> None:
 
 async def test_a_full_queue_and_a_rejecting_gate_answer_at_once() -> None:
     gate = Gate(Limits(hold_timeout_s=30, max_held=2, max_held_bytes=100), None)
-    waiting = [asyncio.create_task(gate.admit(time.monotonic(), 10, None)) for _ in range(2)]
-    await asyncio.sleep(0.01)
+    waiting = []
+    for _ in range(2):
+        waiting.append(asyncio.create_task(gate.admit(time.monotonic(), 10, None)))
+        await asyncio.sleep(0)  # (one turn of the loop: it comes to wait)
+    assert len(gate.waiters) == 2
     with pytest.raises(Rejected) as full:
         await gate.admit(time.monotonic(), 10, None)
     assert full.value.retry_after_s == 5 and "max_held" in full.value.message

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from .support.procs import Proc
+from .support.procs import Proc, wait_until
 from .support.proxy import running_proxy
 from .support.upstream import ok, raw, scripted
 
@@ -71,10 +70,13 @@ def test_a_request_that_could_be_framed_two_ways_gets_400_and_reaches_no_server(
 def test_a_server_answer_longer_than_it_said_reaches_no_other_client(
     procs: list[Proc], tmp_path: Path
 ) -> None:
+    answered, stray_sent = threading.Event(), threading.Event()
+
     def long_answer(conn: socket.socket) -> None:
         conn.sendall(ok(b"HELLO")[:-5] + b"HELLO")
-        time.sleep(0.05)
+        answered.wait(10)  # (its client has its answer: the connection sits in the pool)
         conn.sendall(ok(b"SMUGGLED"))  # a stray answer on the same connection
+        stray_sent.set()
 
     with (
         scripted([long_answer, ok(b"second")]) as up,
@@ -83,7 +85,8 @@ def test_a_server_answer_longer_than_it_said_reaches_no_other_client(
         control.gate("open", up.port, state="ready")
         control.stats(lambda s: s["mode"] == "open")
         assert raw(port_of(url), GET).endswith(b"HELLO")
-        time.sleep(0.2)  # (the stray answer arrives while its connection is pooled)
+        answered.set()
+        assert stray_sent.wait(10)
         assert raw(port_of(url), GET).endswith(b"second")
 
 
@@ -141,10 +144,7 @@ def test_a_client_that_leaves_a_slow_answer_ends_its_request_at_the_server(
         figures = control.stats(lambda s: s["active"] == 0)
         assert figures["client_gone"] == 1
         never.set()
-        deadline = time.monotonic() + 10
-        while up.closed < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert up.closed >= 1  # its connection to the server closed
+        wait_until(lambda: up.closed >= 1, 10, "its connection to the server to close")
 
 
 def test_bodies_over_the_bound_get_413_and_expect_100_continue_is_answered(
