@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from gpuwarden.daemon.messages import TaskFailed
-from gpuwarden.daemon.proxy.gate import Gate, Limits, Rejected
+from gpuwarden.daemon.proxy.control import Proxy, parse_args
+from gpuwarden.daemon.proxy.gate import Gate, Limits, Rejected, reported
 from gpuwarden.daemon.states import ServerState
 
 from .support.machine import FAST, World
@@ -406,3 +407,30 @@ def test_a_failed_proxy_task_is_recorded_and_the_server_serves_on(tmp_path: Path
     w.send(TaskFailed("proxy", w.launch.gen, "OSError: boom"))
     assert w.m.state == ServerState.READY and w.host.called("terminate") == []
     assert [e["task"] for e in w.host.events("internal_error")] == ["proxy"]
+
+
+async def test_a_failed_task_of_the_proxy_is_said_to_the_daemon(tmp_path: Path) -> None:
+    proxy = Proxy(parse_args(["--listen", "127.0.0.1:9", "--control", str(tmp_path / "s")]))
+    said: list[bytes] = []
+
+    class Daemon:  # (the daemon's end of the control socket)
+        def write(self, data: bytes) -> None:
+            said.append(data)
+
+    proxy.daemon = Daemon()  # type: ignore[assignment]
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(proxy.failed)
+    try:
+
+        async def boom() -> None:
+            raise RuntimeError("x")
+
+        task = reported(loop.create_task(boom(), name="boom"))
+        with pytest.raises(RuntimeError):
+            await task
+        await asyncio.sleep(0)  # (its done callback runs on the next turn of the loop)
+    finally:
+        loop.set_exception_handler(None)
+    assert [json.loads(line)["error"] for line in said] == [
+        "the proxy's task boom failed: RuntimeError: x"
+    ]

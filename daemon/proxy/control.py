@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .front import Front
-from .gate import Gate, Limits
+from .gate import Gate, Limits, reported
 from .resume import Resumer
 
 STATS_S = 0.5
@@ -43,9 +43,7 @@ class Proxy:
         self.limits = Limits(args.hold_timeout_s, args.max_held, args.max_held_bytes)
         self.gate = Gate(self.limits, None)
         self.resumer = Resumer(self.gate)
-        self.front = Front(
-            self.gate, self.resumer if args.continue_streams else None, _max_clients()
-        )
+        self.front = Front(self.gate, self.resumer if args.continue_streams else None)
         self.listen, self.control_path = args.listen, Path(args.control)
         self.daemon: asyncio.StreamWriter | None = None
         self.ending = asyncio.Event()
@@ -92,6 +90,18 @@ class Proxy:
             if self.daemon is writer:
                 self.daemon = None
             writer.close()
+
+    def failed(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """Whatever fails on its loop (a task, a client's handler): in its log, and said to
+        the daemon (a `proxy_error` event)."""
+        loop.default_exception_handler(context)  # (its log: stderr)
+        exc = context.get("exception")
+        what = str(context.get("message") or "")
+        if exc is not None:
+            what += f": {type(exc).__name__}: {exc}"
+        if self.daemon is not None:
+            with contextlib.suppress(OSError):
+                self.daemon.write(_line({"error": what[:500]}))
 
     def said(self, message: dict[str, Any]) -> bool:
         """Act on a daemon's line; True: it asked for the figures now."""
@@ -143,8 +153,10 @@ class Proxy:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.ending.set)
+        loop.set_exception_handler(self.failed)
+        self.front.max_clients = _max_clients()  # (its descriptors raised to the hard limit)
         print(f"gpuwarden proxy {os.getpid()} listening on {self.listen}", flush=True)
-        stats = loop.create_task(self.stats())
+        stats = reported(loop.create_task(self.stats(), name="stats"))
         await self.ending.wait()
         server.close()
         self.gate.set({"mode": "reject", "state": "stopped", "reason": "the proxy is stopping"})

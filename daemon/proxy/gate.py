@@ -156,7 +156,7 @@ class Gate:
             return
         self.down = True
         if self._probe is None or self._probe.done():
-            self._probe = asyncio.get_running_loop().create_task(self._probe_until_up())
+            self._probe = reported(asyncio.get_running_loop().create_task(self._probe_until_up()))
 
     async def _probe_until_up(self) -> None:
         """While the daemon has not said otherwise: the server is asked for its health until
@@ -256,3 +256,17 @@ async def _health(address: tuple[str, int]) -> bool:
         return (await reader.readline()).split(b" ")[1:2] == [b"200"]
     finally:
         writer.close()
+
+
+def reported(task: asyncio.Task[Any]) -> asyncio.Task[Any]:
+    """`task`, whose failure goes to the loop's exception handler (the proxy's says it to the
+    daemon and to its log) the moment it ends, not whenever it is collected."""
+
+    def done(t: asyncio.Task[Any]) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            t.get_loop().call_exception_handler(
+                {"message": f"the proxy's task {t.get_name()} failed", "exception": t.exception()}
+            )
+
+    task.add_done_callback(done)
+    return task
